@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Fetch, build and cache the pinned llama.cpp shared libraries.
+
+    python build_zipapp.py --lib            build (or find) libllama for this host
+    python build_zipapp.py --lib --portable  baseline CPU build (no -march=native)
+    python build_zipapp.py --bench-tools    also build llama-bench / llama-server
+
+The pin is llama.cpp as vendored in one exact `llama-cpp-python` sdist, fetched
+with `pip download` (so the user's pip configuration and mirrors apply) and
+checked against a sha256.  Builds are cached outside the checkout, keyed by pin,
+machine and flags, under `~/.cache/reame/llama/` (`$REAME_CACHE` overrides the
+root), so a fresh clone or a CI run never rebuilds what exists.
+
+Every failure is one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from reame.native import LIBRARY_STEMS, LLAMA_COMMIT, build_dir, cache_root  # noqa: E402
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"  # vendors llama.cpp at LLAMA_COMMIT
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
+BENCH_TOOLS = ("llama-bench", "llama-server")
+
+
+class BuildError(Exception):
+    """A build step failed; the message is the one line the user sees."""
+
+
+def say(message: str) -> None:
+    print(f"build: {message}", file=sys.stderr, flush=True)
+
+
+# --- source --------------------------------------------------------------------------
+
+def fetch_sdist(download_dir: Path) -> Path:
+    """Download the pinned sdist with pip and verify its sha256."""
+    archive = download_dir / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
+    if not archive.exists():
+        download_dir.mkdir(parents=True, exist_ok=True)
+        say(f"downloading {SDIST_NAME}=={SDIST_VERSION} source with pip")
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--disable-pip-version-check", "-q", "-d", str(download_dir),
+                   f"{SDIST_NAME}=={SDIST_VERSION}"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0 or not archive.exists():
+            tail = (result.stderr.strip().splitlines() or ["pip produced no file"])[-1]
+            raise BuildError(f"cannot download {SDIST_NAME}=={SDIST_VERSION} (no network or "
+                             f"no package index?): {tail}")
+    digest = sha256_of(archive)
+    if digest != SDIST_SHA256:
+        archive.unlink()
+        raise BuildError(f"checksum mismatch for {archive.name}: got {digest}, "
+                         f"expected {SDIST_SHA256}; the file was removed, run again")
+    return archive
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def unpack_llama_source(archive: Path, destination: Path) -> None:
+    """Extract the sdist's vendor/llama.cpp into `destination` (atomically)."""
+    stamp = destination / ".reame-pin"
+    if stamp.exists() and stamp.read_text().strip() == SDIST_SHA256:
+        return
+    say(f"unpacking llama.cpp {LLAMA_COMMIT} into {destination}")
+    prefix = f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}/vendor/llama.cpp/"
+    staging = Path(tempfile.mkdtemp(prefix="llama.cpp.", dir=destination.parent
+                                    if destination.parent.exists() else None))
+    try:
+        with tarfile.open(archive) as tar:
+            members = []
+            for member in tar.getmembers():
+                if not member.name.startswith(prefix) or not (member.isfile() or member.isdir()):
+                    continue
+                member.name = member.name[len(prefix):]
+                if member.name:
+                    members.append(member)
+            tar.extractall(staging, members=members, filter="data")
+        (staging / ".reame-pin").write_text(SDIST_SHA256 + "\n")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        if destination.exists():
+            shutil.rmtree(destination)
+        staging.rename(destination)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# --- build ---------------------------------------------------------------------------
+
+def require_tools() -> None:
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None and not (tool == "c++" and shutil.which("g++")):
+            raise BuildError(f"'{tool}' not found: install it (e.g. apt-get install cmake g++) "
+                             "and run again")
+
+
+def cmake_options(portable: bool, tools: bool) -> list[str]:
+    options = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=" + ("ON" if tools else "OFF"),
+        "-DLLAMA_BUILD_TOOLS=" + ("ON" if tools else "OFF"),
+        "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_COMMON=" + ("ON" if tools else "OFF"),
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_CURL=OFF",
+        "-DGGML_NATIVE=" + ("OFF" if portable else "ON"),
+        "-DGGML_OPENMP=ON",
+        # Libraries and tools find each other next to themselves, wherever the cache is.
+        "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+        "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+    ]
+    return options
+
+
+def run_with_progress(command: list[str], log_path: Path, what: str) -> None:
+    """Run a build command, showing make's percentage; keep the full log on disk."""
+    percent = re.compile(r"\[\s*(\d+)%\]")
+    started = time.monotonic()
+    last_shown = -1
+    interactive = sys.stderr.isatty()
+    with log_path.open("a") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            found = percent.search(line)
+            if not found:
+                continue
+            value = int(found.group(1))
+            if value != last_shown and (interactive or value >= last_shown + 10):
+                elapsed = time.monotonic() - started
+                end = "\r" if interactive else "\n"
+                print(f"build: {what} {value:3d}% ({elapsed:4.0f} s)", end=end, file=sys.stderr,
+                      flush=True)
+                last_shown = value
+        status = process.wait()
+    if interactive and last_shown >= 0:
+        print(file=sys.stderr)
+    if status != 0:
+        raise BuildError(f"{what} failed (exit {status}); full log: {log_path}")
+
+
+def build(portable: bool, tools: bool, jobs: int) -> Path:
+    """Return the cache directory of a finished build, building it if needed."""
+    target_dir = build_dir(portable, tools)
+    manifest = target_dir / "manifest.json"
+    if manifest.exists():
+        say(f"found cached build {target_dir}")
+        return target_dir
+    require_tools()
+    archive = fetch_sdist(cache_root() / "downloads" / "sdist")
+    unpack_llama_source(archive, THIRD_PARTY)
+
+    work = Path(tempfile.mkdtemp(prefix="reame-llama-build-"))
+    log_path = work / "build.log"
+    say(f"building llama.cpp {LLAMA_COMMIT} ({'portable' if portable else 'native'}"
+        f"{', with llama-bench/llama-server' if tools else ''}) with {jobs} jobs; "
+        "this takes about 10 minutes on 2 cores")
+    configure = ["cmake", "-S", str(THIRD_PARTY), "-B", str(work / "build"),
+                 *cmake_options(portable, tools)]
+    run_with_progress(configure, log_path, "configure")
+    targets = ["llama", *(BENCH_TOOLS if tools else ())]
+    compile_command = ["cmake", "--build", str(work / "build"), "--config", "Release",
+                       "-j", str(jobs), "--target", *targets]
+    run_with_progress(compile_command, log_path, "compile")
+
+    install_build(work / "build", target_dir, tools)
+    shutil.rmtree(work, ignore_errors=True)
+    say(f"done: {target_dir}")
+    return target_dir
+
+
+def install_build(cmake_dir: Path, target_dir: Path, tools: bool) -> None:
+    """Copy libraries, headers (for the layout test) and tools into the cache, atomically."""
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_ensure(target_dir.parent)))
+    staging.chmod(0o755)
+    lib_out = staging / "lib"
+    lib_out.mkdir()
+    libraries = {}
+    for stem in LIBRARY_STEMS:
+        found = sorted(cmake_dir.rglob(f"lib{stem}.so")) + sorted(cmake_dir.rglob(f"lib{stem}.dylib"))
+        if not found:
+            raise BuildError(f"build finished but lib{stem} is missing under {cmake_dir}")
+        shutil.copy2(found[0], lib_out / found[0].name)
+        libraries[stem] = found[0].name
+    include_out = staging / "include"
+    include_out.mkdir()
+    for header in [THIRD_PARTY / "include" / "llama.h", *(THIRD_PARTY / "ggml" / "include").glob("*.h")]:
+        shutil.copy2(header, include_out / header.name)
+    if tools:
+        bin_out = staging / "bin"
+        bin_out.mkdir()
+        for tool in BENCH_TOOLS:
+            found = sorted(cmake_dir.rglob(tool))
+            executables = [path for path in found if path.is_file() and os.access(path, os.X_OK)]
+            if not executables:
+                raise BuildError(f"build finished but {tool} is missing under {cmake_dir}")
+            shutil.copy2(executables[0], bin_out / tool)
+        # The tools link to the shared libraries next to them, by soname.
+        for stem in LIBRARY_STEMS:
+            for library in cmake_dir.rglob(f"lib{stem}.so*"):
+                shutil.copy2(library, bin_out / library.name)
+    manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256,
+                "libraries": libraries, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if target_dir.exists():
+        shutil.rmtree(target_dir)
+    staging.rename(target_dir)
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lib", action="store_true", help="build or find the shared libraries")
+    parser.add_argument("--portable", action="store_true",
+                        help="build for a baseline CPU instead of this machine (-march=native)")
+    parser.add_argument("--bench-tools", action="store_true",
+                        help="also build llama-bench and llama-server (benchmarks only)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
+    parser.add_argument("--print-dir", action="store_true",
+                        help="print the build directory on stdout (for scripts)")
+    args = parser.parse_args(argv)
+    if not (args.lib or args.bench_tools):
+        parser.error("nothing to do: pass --lib (the zipapp itself is not built yet)")
+    try:
+        directory = build(args.portable, args.bench_tools, args.jobs)
+    except BuildError as error:
+        print(f"build failed: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("build interrupted", file=sys.stderr)
+        return 1
+    if args.print_dir:
+        print(directory)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

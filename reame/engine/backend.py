@@ -1,0 +1,492 @@
+"""The seam between the engine and a language model.
+
+`Backend` is what the engine may ask of a model; `LlamaBackend` implements it
+over our ctypes binding and is the only module that calls into libllama.
+`FakeBackend` (fake.py) implements the same protocol without a model.
+
+Threading: a backend is owned by the engine thread. Only `tokenize`,
+`detokenize`, `token_piece` and `apply_chat_template` (read-only vocabulary
+work) may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence
+
+from reame.engine.sampling import Step
+from reame.errors import ModelError, ModelFileError
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+FLASH_ATTN_MODES = ("auto", "on", "off")
+GGUF_MAGIC = b"GGUF"
+# Chat templates of architectures whose GGUF carries none, by llama.cpp's built-in names.
+BUILTIN_TEMPLATE_BY_ARCH = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
+
+DECODE_OK = 0
+DECODE_NO_KV_SLOT = 1  # llama_decode: no room in the KV cache for this batch
+
+
+class Backend(Protocol):
+    n_vocab: int
+    n_ctx: int  # the whole KV cache, in tokens
+    n_ctx_seq: int  # what one sequence may use
+    n_seq_max: int
+    n_batch: int  # most tokens one decode() call takes
+    bos_token: int
+    eos_token: int
+    has_chat_template: bool
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+    def token_piece(self, token: int) -> bytes: ...
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+    def is_eog(self, token: int) -> bool: ...
+    def eog_tokens(self) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str: ...
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               outputs: Sequence[bool]) -> int:
+        """Evaluate one batch; return DECODE_OK or DECODE_NO_KV_SLOT, raise ModelError otherwise.
+
+        Entry i puts tokens[i] at positions[i] of sequence seq_ids[i]; where
+        outputs[i] is true, sample(…, i) and logits(i) may be called afterwards.
+        """
+        ...
+
+    def new_sampler(self, steps: Sequence[Step]) -> object: ...
+    def sample(self, sampler: object, index: int) -> int: ...
+    def accept(self, sampler: object, token: int) -> None: ...
+    def free_sampler(self, sampler: object) -> None: ...
+    def logits(self, index: int) -> Sequence[float]: ...
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_keep(self, seq_id: int) -> None: ...
+    def seq_pos_max(self, seq_id: int) -> int: ...
+    def clear(self) -> None: ...
+    def seq_state_get(self, seq_id: int) -> bytes: ...
+    def seq_state_set(self, seq_id: int, blob: bytes) -> bool: ...
+    def close(self) -> None: ...
+
+
+def fallback_chat_format(messages: Sequence[Mapping[str, str]], add_assistant: bool) -> str:
+    """`role: content` lines, for models without a usable chat template."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant:" if add_assistant else "")
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How to load a model and size its context."""
+
+    path: str
+    n_ctx: int = 4096
+    n_threads: int = 0  # 0: every usable core
+    n_threads_batch: int = 0  # 0: same as n_threads
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    kv_unified: bool = True  # one KV buffer: any sequence may use the whole context
+    kv_type: str = "f16"
+    flash_attn: str = "auto"
+    use_mmap: bool = True
+    use_mlock: bool = False
+
+    def validated(self) -> "ModelSettings":
+        path = Path(self.path)
+        if not path.exists():
+            raise ModelFileError(f"model file not found: {self.path}")
+        if not path.is_file():
+            raise ModelFileError(f"model path is not a file: {self.path}")
+        try:
+            with path.open("rb") as stream:
+                magic = stream.read(4)
+        except OSError as error:
+            raise ModelFileError(f"cannot read model file {self.path}: {error.strerror}") from None
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(f"{self.path} is not a GGUF model file (it does not start with 'GGUF')")
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+            if getattr(self, name) < 1:
+                raise ModelError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_threads < 0 or self.n_threads_batch < 0:
+            raise ModelError("thread counts must be positive")
+        if self.kv_type not in KV_TYPES:
+            raise ModelError(f"kv type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+        if self.flash_attn not in FLASH_ATTN_MODES:
+            raise ModelError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, got '{self.flash_attn}'")
+        if self.kv_type != "f16" and self.flash_attn == "off":
+            raise ModelError(f"a {self.kv_type} KV cache needs flash attention: set flash_attn to auto or on")
+        return self
+
+
+# --- llama.cpp's log lines through our logger ------------------------------------------
+
+_llama_log = logging.getLogger("reame.llama")
+_recent_errors: collections.deque[str] = collections.deque(maxlen=4)
+_log_state = {"partial": "", "level": 0}
+_log_callback = None  # keeps the ctypes callback alive
+_init_lock = threading.Lock()
+_backend_ready = False
+
+
+def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
+    from reame.ctypes_llama import types as t
+    chunk = (text or b"").decode("utf-8", "replace")
+    if level != t.GGML_LOG_LEVEL_CONT:
+        _log_state["level"] = level
+    _log_state["partial"] += chunk
+    if not _log_state["partial"].endswith("\n"):
+        return
+    line = _log_state["partial"].rstrip()
+    _log_state["partial"] = ""
+    if not line:
+        return
+    level = _log_state["level"]
+    if level == t.GGML_LOG_LEVEL_ERROR:
+        _recent_errors.append(line)
+        _llama_log.error("%s", line)
+    elif level == t.GGML_LOG_LEVEL_WARN:
+        _llama_log.warning("%s", line)
+    else:
+        _llama_log.debug("%s", line)
+
+
+def _init_native() -> None:
+    """Load the library, route its logs, init the backend: once per process."""
+    global _backend_ready, _log_callback
+    with _init_lock:
+        if _backend_ready:
+            return
+        from reame.ctypes_llama import api, types as t
+        api.load()
+        if os.environ.get("REAME_LLAMA_VERBOSE"):
+            _llama_log.setLevel(logging.DEBUG)
+        elif _llama_log.level == logging.NOTSET:
+            _llama_log.setLevel(logging.ERROR)
+        _log_callback = t.ggml_log_callback(_on_llama_log)
+        api.llama_log_set(_log_callback, None)
+        api.llama_backend_init()
+        _backend_ready = True
+
+
+def _last_llama_error() -> str:
+    return f" ({_recent_errors[-1]})" if _recent_errors else ""
+
+
+class LlamaBackend:
+    """A llama model and one context over it, driven through ctypes."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        settings = settings.validated()
+        _init_native()
+        from reame.ctypes_llama import api, types as t
+        self._api = api
+        self.settings = settings
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        _recent_errors.clear()
+
+        model_params = api.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        mode = t.LLAMA_LOAD_MODE_MMAP if settings.use_mmap else t.LLAMA_LOAD_MODE_NONE
+        if settings.use_mlock:
+            mode = t.LLAMA_LOAD_MODE_MMAP_MLOCK if settings.use_mmap else t.LLAMA_LOAD_MODE_MLOCK
+        model_params.load_mode = mode
+        self._model = api.llama_model_load_from_file(os.fsencode(settings.path), model_params)
+        if not self._model:
+            raise ModelError(f"cannot load model {settings.path}{_last_llama_error()}")
+
+        threads = settings.n_threads or usable_cores()
+        ctx_params = api.llama_context_default_params()
+        ctx_params.n_ctx = settings.n_ctx
+        ctx_params.n_batch = settings.n_batch
+        ctx_params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
+        ctx_params.n_seq_max = settings.n_seq_max
+        ctx_params.n_threads = threads
+        ctx_params.n_threads_batch = settings.n_threads_batch or threads
+        ctx_params.kv_unified = settings.kv_unified
+        ctx_params.no_perf = False
+        kv_type = {"f16": t.GGML_TYPE_F16, "q8_0": t.GGML_TYPE_Q8_0, "q4_0": t.GGML_TYPE_Q4_0}[settings.kv_type]
+        ctx_params.type_k = kv_type
+        ctx_params.type_v = kv_type
+        ctx_params.flash_attn_type = {"auto": t.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": t.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                      "off": t.LLAMA_FLASH_ATTN_TYPE_DISABLED}[settings.flash_attn]
+        self._ctx = api.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            self.close()
+            raise ModelError(f"cannot create a context of {settings.n_ctx} tokens for {settings.path}"
+                             f"{_last_llama_error()}")
+        self._memory = api.llama_get_memory(self._ctx)
+        self._vocab = api.llama_model_get_vocab(self._model)
+
+        self.n_threads = threads
+        self.n_vocab = api.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx = api.llama_n_ctx(self._ctx)
+        self.n_ctx_seq = api.llama_n_ctx_seq(self._ctx)
+        self.n_seq_max = api.llama_n_seq_max(self._ctx)
+        self.n_batch = api.llama_n_batch(self._ctx)
+        self.bos_token = api.llama_vocab_bos(self._vocab)
+        self.eos_token = api.llama_vocab_eos(self._vocab)
+        self.add_bos = bool(api.llama_vocab_get_add_bos(self._vocab))
+        self.architecture = self.meta("general.architecture") or ""
+        self.supports_rollback = not (api.llama_model_is_recurrent(self._model)
+                                      or api.llama_model_is_hybrid(self._model))
+        template = api.llama_model_chat_template(self._model, None)
+        self._chat_template: bytes | None = template or (
+            BUILTIN_TEMPLATE_BY_ARCH[self.architecture].encode()
+            if self.architecture in BUILTIN_TEMPLATE_BY_ARCH else None)
+        self.has_chat_template = self._chat_template is not None
+
+        self._batch = api.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):
+            self._batch.n_seq_id[i] = 1
+        self._outputs: frozenset[int] = frozenset()
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
+        self._eog_list: list[int] | None = None
+
+    # --- vocabulary (thread-safe reads) -----------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        api = self._api
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buffer = (ctypes.c_int32 * capacity)()
+            n = api.llama_tokenize(self._vocab, data, len(data), buffer, capacity, add_special, parse_special)
+            if n >= 0:
+                return list(buffer[:n])
+            if -n <= capacity:
+                raise ModelError(f"tokenization failed for a text of {len(data)} bytes")
+            capacity = -n
+
+    def token_piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise ModelError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+            buffer = ctypes.create_string_buffer(64)
+            n = self._api.llama_token_to_piece(self._vocab, token, buffer, 64, 0, False)
+            if n < 0:
+                buffer = ctypes.create_string_buffer(-n)
+                n = self._api.llama_token_to_piece(self._vocab, token, buffer, -n, 0, False)
+            piece = buffer.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if not tokens:
+            return ""
+        for token in tokens:
+            if not 0 <= token < self.n_vocab:
+                raise ModelError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+        array_type = ctypes.c_int32 * len(tokens)
+        ids = array_type(*tokens)
+        capacity = len(tokens) * 8 + 16
+        while True:
+            buffer = ctypes.create_string_buffer(capacity)
+            n = self._api.llama_detokenize(self._vocab, ids, len(tokens), buffer, capacity, False, True)
+            if n >= 0:
+                return buffer.raw[:n].decode("utf-8", "replace")
+            capacity = -n
+
+    def is_eog(self, token: int) -> bool:
+        known = self._eog.get(token)
+        if known is None:
+            known = bool(self._api.llama_vocab_is_eog(self._vocab, token))
+            self._eog[token] = known
+        return known
+
+    def eog_tokens(self) -> list[int]:
+        if self._eog_list is None:
+            is_eog, vocab = self._api.llama_vocab_is_eog, self._vocab
+            self._eog_list = [token for token in range(self.n_vocab) if is_eog(vocab, token)]
+        return self._eog_list
+
+    def special_token(self, name: str) -> int:
+        """FIM and other special tokens by name (fim_pre, fim_suf, fim_mid, …); -1 if absent."""
+        return getattr(self._api, f"llama_vocab_{name}")(self._vocab)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
+        if self._chat_template is None:
+            return fallback_chat_format(messages, add_assistant)
+        from reame.ctypes_llama import types as t
+        encoded = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]
+        chat = (t.llama_chat_message * len(encoded))(*[t.llama_chat_message(r, c) for r, c in encoded])
+        capacity = sum(len(r) + len(c) for r, c in encoded) * 2 + 256
+        for _ in range(2):
+            buffer = ctypes.create_string_buffer(capacity)
+            n = self._api.llama_chat_apply_template(self._chat_template, chat, len(encoded), add_assistant,
+                                                    buffer, capacity)
+            if n < 0:  # a template llama.cpp does not recognise
+                return fallback_chat_format(messages, add_assistant)
+            if n <= capacity:
+                return buffer.raw[:n].decode("utf-8", "replace")
+            capacity = n
+        raise ModelError("chat template rendering did not converge")
+
+    def meta(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(256)
+        n = self._api.llama_model_meta_val_str(self._model, key.encode(), buffer, 256)
+        if n < 0:
+            return None
+        if n >= 256:
+            buffer = ctypes.create_string_buffer(n + 1)
+            self._api.llama_model_meta_val_str(self._model, key.encode(), buffer, n + 1)
+        return buffer.value.decode("utf-8", "replace")
+
+    def describe(self) -> dict[str, object]:
+        buffer = ctypes.create_string_buffer(256)
+        self._api.llama_model_desc(self._model, buffer, 256)
+        return {
+            "description": buffer.value.decode("utf-8", "replace"),
+            "architecture": self.architecture,
+            "parameters": self._api.llama_model_n_params(self._model),
+            "size_bytes": self._api.llama_model_size(self._model),
+            "n_ctx_train": self._api.llama_model_n_ctx_train(self._model),
+            "n_vocab": self.n_vocab,
+            "n_ctx": self.n_ctx,
+            "n_threads": self.n_threads,
+            "chat_template": self.has_chat_template,
+        }
+
+    # --- inference (engine thread only) -----------------------------------------------
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               outputs: Sequence[bool]) -> int:
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
+        batch = self._batch
+        token_array, pos_array, seq_array, logit_array = batch.token, batch.pos, batch.seq_id, batch.logits
+        for i in range(n):
+            token_array[i] = tokens[i]
+            pos_array[i] = positions[i]
+            seq_array[i][0] = seq_ids[i]
+            logit_array[i] = outputs[i]
+        batch.n_tokens = n
+        status = self._api.llama_decode(self._ctx, batch)
+        if status == DECODE_OK:
+            self._outputs = frozenset(i for i in range(n) if outputs[i])
+            return DECODE_OK
+        self._outputs = frozenset()
+        if status == DECODE_NO_KV_SLOT:
+            return DECODE_NO_KV_SLOT
+        raise ModelError(f"llama_decode failed with status {status}{_last_llama_error()}")
+
+    def new_sampler(self, steps: Sequence[Step]) -> object:
+        api = self._api
+        from reame.ctypes_llama import types as t
+        chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
+        for step in steps:
+            kind, args = step.kind, step.args
+            if kind == "logit_bias":
+                pairs = args[0]
+                biases = (t.llama_logit_bias * len(pairs))(*[t.llama_logit_bias(tok, bias) for tok, bias in pairs])
+                sampler = api.llama_sampler_init_logit_bias(self.n_vocab, len(pairs), biases)
+            elif kind == "penalties":
+                last_n, repeat, frequency, presence = args
+                sampler = api.llama_sampler_init_penalties(last_n, repeat, frequency, presence)
+            elif kind == "greedy":
+                sampler = api.llama_sampler_init_greedy()
+            elif kind == "top_k":
+                sampler = api.llama_sampler_init_top_k(args[0])
+            elif kind == "top_p":
+                sampler = api.llama_sampler_init_top_p(args[0], 1)
+            elif kind == "min_p":
+                sampler = api.llama_sampler_init_min_p(args[0], 1)
+            elif kind == "temp":
+                sampler = api.llama_sampler_init_temp(args[0])
+            elif kind == "dist":
+                sampler = api.llama_sampler_init_dist(args[0])
+            else:
+                api.llama_sampler_free(chain)
+                raise ModelError(f"unknown sampler step {kind}")
+            api.llama_sampler_chain_add(chain, sampler)
+        return chain
+
+    def sample(self, sampler: object, index: int) -> int:
+        # A wrong index makes llama.cpp abort the whole process: check it here.
+        if index not in self._outputs:
+            raise ModelError(f"no logits at batch index {index}")
+        return self._api.llama_sampler_sample(sampler, self._ctx, index)
+
+    def accept(self, sampler: object, token: int) -> None:
+        self._api.llama_sampler_accept(sampler, token)
+
+    def free_sampler(self, sampler: object) -> None:
+        self._api.llama_sampler_free(sampler)
+
+    def logits(self, index: int) -> Sequence[float]:
+        if index not in self._outputs:
+            raise ModelError(f"no logits at batch index {index}")
+        pointer = self._api.llama_get_logits_ith(self._ctx, index)
+        values = array.array("f")
+        values.frombytes(ctypes.string_at(pointer, self.n_vocab * 4))
+        return values
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(self._api.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._api.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self._api.llama_memory_seq_keep(self._memory, seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self._api.llama_memory_seq_pos_max(self._memory, seq_id)
+
+    def clear(self) -> None:
+        self._api.llama_memory_clear(self._memory, True)
+
+    def seq_state_get(self, seq_id: int) -> bytes:
+        size = self._api.llama_state_seq_get_size(self._ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = self._api.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
+        return bytes(memoryview(buffer)[:written])
+
+    def seq_state_set(self, seq_id: int, blob: bytes) -> bool:
+        """Restore a sequence; False (never garbage) when the blob does not fit this context."""
+        if not blob:
+            return False
+        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        return self._api.llama_state_seq_set_data(self._ctx, buffer, len(blob), seq_id) > 0
+
+    def perf(self) -> dict[str, float]:
+        data = self._api.llama_perf_context(self._ctx)
+        return {"prompt_ms": data.t_p_eval_ms, "prompt_tokens": data.n_p_eval,
+                "eval_ms": data.t_eval_ms, "eval_tokens": data.n_eval}
+
+    def close(self) -> None:
+        api = self._api
+        if self._batch is not None:
+            api.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            api.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            api.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "LlamaBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

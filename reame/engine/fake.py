@@ -1,0 +1,293 @@
+"""FakeBackend: a deterministic toy language model with the real backend's API.
+
+Tokens are bytes (ids 0..255) plus a few ChatML-like specials, so any text
+tokenizes and multi-byte characters split across tokens exactly as they can
+with a real BPE vocabulary. The next-token logits are a pure function of the
+tokens a sequence holds (by default a hash of the last three), so an output is
+reproducible token for token: whether a sequence runs alone or batched with
+others, from a fresh prefill or a restored state. Tests that need a specific
+distribution pass their own `rule`.
+
+The KV "cache" is one token list per sequence with the same rules as llama's:
+positions must follow on, a whole context is shared by every sequence, and a
+full cache makes decode() report DECODE_NO_KV_SLOT.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import zlib
+from typing import Callable, Mapping, Sequence
+
+from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
+from reame.engine.sampling import Step
+from reame.errors import ModelError
+
+BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
+SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
+N_VOCAB = 260
+STATE_MAGIC = "reame-fake-state-1"
+
+# Bytes the default rule chooses from: lowercase letters, space, full stop,
+# and the two bytes of "é" so that UTF-8 splitting happens in ordinary output.
+_ALPHABET = list(b"abcdefghijklmnopqrstuvwxyz .") + [0xC3]
+_E_ACUTE_LEAD, _E_ACUTE_TAIL = 0xC3, 0xA9
+
+Rule = Callable[[Sequence[int]], Sequence[float]]
+
+
+def default_rule(history: Sequence[int]) -> list[float]:
+    """Logits after `history`: a hash of its last three tokens, with a rare end of text."""
+    logits = [-math.inf] * N_VOCAB
+    if history and history[-1] == _E_ACUTE_LEAD:
+        logits[_E_ACUTE_TAIL] = 10.0  # complete the character
+        return logits
+    seed = zlib.crc32(bytes(token & 0xFF for token in history[-3:]) + bytes([len(history) % 7]))
+    for index, token in enumerate(_ALPHABET):
+        logits[token] = ((seed >> (index % 24)) * 2654435761 + index * 40503) % 997 / 100.0
+    logits[EOS] = 12.0 if seed % 31 == 0 else -2.0
+    return logits
+
+
+class FakeSampler:
+    """A sampler chain interpreted in Python, with the same steps as llama's."""
+
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self.steps = list(steps)
+        self.history: list[int] = []
+        seed = next((step.args[0] for step in steps if step.kind == "dist"), 0)
+        self.rng = random.Random(seed)
+
+    def probabilities(self, logits: Sequence[float]) -> dict[int, float]:
+        """The distribution the chain samples from (greedy: all mass on the argmax)."""
+        candidates = {token: value for token, value in enumerate(logits) if value != -math.inf}
+        for step in self.steps:
+            candidates = self._apply(step, candidates)
+        if not candidates:
+            raise ModelError("every token was filtered out")
+        if any(step.kind == "greedy" for step in self.steps):
+            best = max(candidates, key=lambda token: (candidates[token], -token))
+            return {best: 1.0}
+        top = max(candidates.values())
+        weights = {token: math.exp(value - top) for token, value in candidates.items()}
+        total = sum(weights.values())
+        return {token: weight / total for token, weight in weights.items()}
+
+    def _apply(self, step: Step, candidates: dict[int, float]) -> dict[int, float]:
+        kind, args = step.kind, step.args
+        if kind == "logit_bias":
+            adjusted = dict(candidates)
+            for token, bias in args[0]:
+                if token in adjusted:
+                    adjusted[token] += bias
+            return {t: v for t, v in adjusted.items() if v != -math.inf}
+        if kind == "penalties":
+            last_n, repeat, frequency, presence = args
+            window = self.history if last_n < 0 else self.history[-last_n:] if last_n else []
+            counts: dict[int, int] = {}
+            for token in window:
+                counts[token] = counts.get(token, 0) + 1
+            adjusted = dict(candidates)
+            for token, count in counts.items():
+                if token in adjusted:
+                    value = adjusted[token]
+                    value = value / repeat if value > 0 else value * repeat
+                    adjusted[token] = value - count * frequency - presence
+            return adjusted
+        if kind == "top_k":
+            kept = sorted(candidates, key=lambda t: (-candidates[t], t))[:args[0]]
+            return {t: candidates[t] for t in kept}
+        if kind in ("top_p", "min_p"):
+            ordered = sorted(candidates, key=lambda t: (-candidates[t], t))
+            top = candidates[ordered[0]]
+            weights = [math.exp(candidates[t] - top) for t in ordered]
+            total = sum(weights)
+            if kind == "min_p":
+                return {t: candidates[t] for t, w in zip(ordered, weights) if w >= args[0]}
+            kept, mass = {}, 0.0
+            for token, weight in zip(ordered, weights):
+                kept[token] = candidates[token]
+                mass += weight / total
+                if mass >= args[0]:
+                    break
+            return kept
+        if kind == "temp":
+            return {t: v / args[0] for t, v in candidates.items()}
+        if kind in ("dist", "greedy"):
+            return candidates
+        raise ModelError(f"unknown sampler step {kind}")
+
+    def pick(self, logits: Sequence[float]) -> int:
+        probabilities = self.probabilities(logits)
+        if len(probabilities) == 1:
+            return next(iter(probabilities))
+        draw = self.rng.random()
+        for token in sorted(probabilities):
+            draw -= probabilities[token]
+            if draw <= 0:
+                return token
+        return max(probabilities)
+
+
+class FakeBackend:
+    """Deterministic stand-in for LlamaBackend (see the module docstring)."""
+
+    has_chat_template = True
+    supports_rollback = True
+
+    def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule) -> None:
+        self.n_vocab = N_VOCAB
+        self.n_ctx = n_ctx
+        self.n_ctx_seq = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.bos_token = BOS
+        self.eos_token = EOS
+        self.add_bos = True
+        self.rule = rule
+        self._kv: dict[int, list[int]] = {}
+        self._outputs: dict[int, list[float]] = {}
+        # What tests look at: how the engine drove the model.
+        self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
+
+    # --- vocabulary ---
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        tokens = [BOS] if add_special else []
+        data = text.encode("utf-8")
+        i = 0
+        while i < len(data):
+            if parse_special and data[i:i + 1] == b"<":
+                special = next((s for s in SPECIALS if data.startswith(s.encode(), i)), None)
+                if special:
+                    tokens.append(SPECIALS[special])
+                    i += len(special)
+                    continue
+            tokens.append(data[i])
+            i += 1
+        return tokens
+
+    def token_piece(self, token: int) -> bytes:
+        self._check_token(token)
+        return bytes([token]) if token < 256 else b""
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        names = {v: k for k, v in SPECIALS.items()}
+        out = bytearray()
+        for token in tokens:
+            self._check_token(token)
+            out += bytes([token]) if token < 256 else names[token].encode()
+        return out.decode("utf-8", "replace")
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < N_VOCAB:
+            raise ModelError(f"token id {token} is outside the vocabulary (0..{N_VOCAB - 1})")
+
+    def is_eog(self, token: int) -> bool:
+        return token in (EOS, IM_END)
+
+    def eog_tokens(self) -> list[int]:
+        return [EOS, IM_END]
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
+        if not self.has_chat_template:
+            return fallback_chat_format(messages, add_assistant)
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_assistant else "")
+
+    # --- inference ---
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+               outputs: Sequence[bool]) -> int:
+        n = len(tokens)
+        if n == 0 or n > self.n_batch:
+            raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
+        if sum(len(cells) for cells in self._kv.values()) + n > self.n_ctx:
+            self._outputs = {}
+            return DECODE_NO_KV_SLOT
+        staged = {seq: list(cells) for seq, cells in self._kv.items()}
+        results: dict[int, list[float]] = {}
+        for i in range(n):
+            seq = seq_ids[i]
+            if not 0 <= seq < self.n_seq_max:
+                raise ModelError(f"seq_id {seq} is outside 0..{self.n_seq_max - 1}")
+            self._check_token(tokens[i])
+            cells = staged.setdefault(seq, [])
+            if positions[i] != len(cells):
+                raise ModelError(f"sequence {seq}: position {positions[i]} does not follow {len(cells)}")
+            cells.append(tokens[i])
+            if outputs[i]:
+                results[i] = list(self.rule(cells))
+        self._kv = staged
+        self._outputs = results
+        self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
+        return DECODE_OK
+
+    def new_sampler(self, steps: Sequence[Step]) -> FakeSampler:
+        return FakeSampler(steps)
+
+    def sample(self, sampler: FakeSampler, index: int) -> int:
+        token = sampler.pick(self.logits(index))
+        sampler.history.append(token)
+        return token
+
+    def accept(self, sampler: FakeSampler, token: int) -> None:
+        sampler.history.append(token)
+
+    def free_sampler(self, sampler: FakeSampler) -> None:
+        sampler.steps = []
+
+    def logits(self, index: int) -> list[float]:
+        if index not in self._outputs:
+            raise ModelError(f"no logits at batch index {index}")
+        return self._outputs[index]
+
+    # --- memory ---
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        for seq in ([seq_id] if seq_id >= 0 else list(self._kv)):
+            cells = self._kv.get(seq, [])
+            start = max(p0, 0)
+            end = len(cells) if p1 < 0 else min(p1, len(cells))
+            if end < len(cells) and start < end:
+                return False  # a hole in the middle of a sequence is not supported
+            del cells[start:end]
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        cells = self._kv.get(src, [])
+        end = len(cells) if p1 < 0 else min(p1, len(cells))
+        if max(p0, 0) != 0:
+            raise ModelError("FakeBackend copies sequences from position 0 only")
+        self._kv[dst] = list(cells[:end])
+
+    def seq_keep(self, seq_id: int) -> None:
+        self._kv = {seq_id: self._kv.get(seq_id, [])}
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return len(self._kv.get(seq_id, [])) - 1
+
+    def clear(self) -> None:
+        self._kv = {}
+
+    def seq_state_get(self, seq_id: int) -> bytes:
+        return json.dumps({"magic": STATE_MAGIC, "tokens": self._kv.get(seq_id, [])}).encode()
+
+    def seq_state_set(self, seq_id: int, blob: bytes) -> bool:
+        try:
+            state = json.loads(blob)
+        except (ValueError, UnicodeDecodeError):
+            return False
+        if not isinstance(state, dict) or state.get("magic") != STATE_MAGIC:
+            return False
+        self._kv[seq_id] = list(state["tokens"])
+        return True
+
+    def kv_tokens(self, seq_id: int) -> list[int]:
+        """What a sequence holds (tests only)."""
+        return list(self._kv.get(seq_id, []))
+
+    def close(self) -> None:
+        self._kv = {}

@@ -1,0 +1,53 @@
+"""Sampler chains: the one description of how a request picks tokens.
+
+`chain_steps` turns SamplingParams into an ordered list of steps (the order of
+llama.cpp's common sampler). LlamaBackend builds a native llama sampler chain
+from it, so sampling runs in C; FakeBackend interprets the same steps in Python.
+Speculative verification will compute its probabilities from the same chain.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterable
+
+from reame.engine.request import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # logit_bias | penalties | top_k | top_p | min_p | temp | dist | greedy
+    args: tuple
+
+
+def chain_steps(params: SamplingParams, eog_tokens: Iterable[int] = (), seed: int | None = None) -> list[Step]:
+    """Ordered steps for `params`; `eog_tokens` are banned when params.ignore_eos."""
+    steps: list[Step] = []
+    bias = dict(params.logit_bias)
+    if params.ignore_eos:
+        bias.update({token: NEG_INF for token in eog_tokens})
+    if bias:
+        steps.append(Step("logit_bias", (tuple(sorted(bias.items())),)))
+    if params.penalised:
+        steps.append(Step("penalties", (params.repeat_last_n, params.repeat_penalty,
+                                        params.frequency_penalty, params.presence_penalty)))
+    if params.greedy:
+        steps.append(Step("greedy", ()))
+        return steps
+    if params.top_k > 0:
+        steps.append(Step("top_k", (params.top_k,)))
+    if params.top_p < 1.0:
+        steps.append(Step("top_p", (params.top_p,)))
+    if params.min_p > 0.0:
+        steps.append(Step("min_p", (params.min_p,)))
+    steps.append(Step("temp", (params.temperature,)))
+    steps.append(Step("dist", (resolve_seed(params.seed if seed is None else seed),)))
+    return steps
+
+
+def resolve_seed(seed: int | None) -> int:
+    """A concrete seed: the request's, or a fresh random one (never llama's 'random' marker)."""
+    return seed if seed is not None else random.randrange(0, 2**32 - 1)

@@ -1,0 +1,263 @@
+"""The engine thread: admit requests, prefill, step, stream, cancel.
+
+Exactly one thread (started by `Engine.start`) calls the backend for inference.
+Callers `submit()` from any thread and read events from the returned Handle.
+Every step is one `backend.decode` carrying the next token of every decoding
+sequence plus, in the room left under the batch size, chunks of prompts still
+being prefilled; each sequence samples with its own sampler chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Mapping, Sequence
+
+from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
+from reame.engine.request import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion,
+                                  FinishEvent, GenerationRequest, Handle, TokenEvent, Usage)
+from reame.engine.sampling import chain_steps
+from reame.engine.textstream import TextStream
+from reame.errors import ModelError, RequestError
+
+log = logging.getLogger("reame.engine")
+
+
+class _Sequence:
+    """One admitted request while it holds a sequence slot."""
+
+    __slots__ = ("handle", "seq_id", "sampler", "prompt", "n_fed", "next_token", "generated",
+                 "max_tokens", "stream", "admitted_at", "first_token_at")
+
+    def __init__(self, handle: Handle, seq_id: int, sampler: object, max_tokens: int) -> None:
+        self.handle = handle
+        self.seq_id = seq_id
+        self.sampler = sampler
+        self.prompt = handle.prompt_tokens
+        self.n_fed = 0  # tokens of this sequence in the KV cache
+        self.next_token: int | None = None  # sampled, not yet decoded
+        self.generated = 0
+        self.max_tokens = max_tokens
+        self.stream = TextStream(handle.request.params.stop)
+        self.admitted_at = time.perf_counter()
+        self.first_token_at = 0.0
+
+
+class Engine:
+    """Owns a backend and the one thread that drives it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
+        self._waiting: deque[Handle] = deque()
+        self._active: list[_Sequence] = []
+        self._free_slots = list(range(backend.n_seq_max))
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    # --- caller side (any thread) ---------------------------------------------------
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="reame-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        """Validate and queue a request; RequestError before any work if it cannot run."""
+        if self._closing:
+            raise RequestError("the engine is shutting down")
+        tokens = self.prompt_tokens(request)
+        limit = self.backend.n_ctx_seq
+        max_tokens = request.params.max_tokens
+        if len(tokens) >= limit:
+            raise RequestError(f"the prompt has {len(tokens)} tokens but the context holds {limit}",
+                               param="prompt")
+        if max_tokens is not None and len(tokens) + max_tokens > limit:
+            raise RequestError(f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) "
+                               f"exceeds the context ({limit} tokens)", param="max_tokens")
+        for token in request.params.logit_bias:
+            if token >= self.backend.n_vocab:
+                raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
+        handle = Handle(request, tokens)
+        self._inbox.put(handle)
+        return handle
+
+    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Completion:
+        """Submit and wait for the whole result."""
+        return self.submit(request).result(timeout_s)
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        backend = self.backend
+        if isinstance(request.prompt, str):
+            tokens = backend.tokenize(request.prompt, add_special=request.add_special, parse_special=True)
+            # A chat template may already start with the BOS text: never feed BOS twice.
+            if len(tokens) > 1 and tokens[0] == tokens[1] == backend.bos_token:
+                del tokens[0]
+            if not tokens:
+                raise RequestError("the prompt tokenized to zero tokens", param="prompt")
+            return tokens
+        tokens = list(request.prompt)
+        for token in tokens:
+            if not 0 <= token < backend.n_vocab:
+                raise RequestError(f"token id {token} is outside the vocabulary (0..{backend.n_vocab - 1})",
+                                   param="prompt")
+        return tokens
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The model's chat template applied to `messages`, ready for the assistant's turn."""
+        return self.backend.apply_chat_template(messages, add_assistant=True)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel what is running, stop the thread. Safe to call twice."""
+        self._closing = True
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        inbox = self._inbox
+        while True:
+            if not self._active and not self._waiting:
+                item = inbox.get()
+                if item is None:
+                    break
+                self._waiting.append(item)
+            stop = False
+            while True:
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                self._waiting.append(item)
+            if stop:
+                break
+            self._admit()
+            if self._active:
+                try:
+                    self._step()
+                except Exception as error:  # a failed step ends what it carried, never the thread
+                    log.exception("engine step failed")
+                    message = str(error) if isinstance(error, ModelError) else f"internal error: {error}"
+                    for sequence in list(self._active):
+                        self._finish(sequence, FINISH_ERROR, message)
+        for sequence in list(self._active):
+            self._finish(sequence, FINISH_CANCELLED, "the engine shut down")
+        while self._waiting:
+            self._reject(self._waiting.popleft(), FINISH_CANCELLED, "the engine shut down")
+
+    def _admit(self) -> None:
+        backend = self.backend
+        while self._waiting and self._free_slots:
+            handle = self._waiting.popleft()
+            if handle.cancelled:
+                self._reject(handle, FINISH_CANCELLED)
+                continue
+            params = handle.request.params
+            steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
+            sampler = backend.new_sampler(steps)
+            if params.penalised:
+                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
+                    handle.prompt_tokens[-params.repeat_last_n:]
+                for token in window:
+                    backend.accept(sampler, token)
+            max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
+            seq_id = self._free_slots.pop(0)
+            backend.seq_rm(seq_id)
+            self._active.append(_Sequence(handle, seq_id, sampler, max_tokens))
+
+    def _step(self) -> None:
+        backend = self.backend
+        tokens: list[int] = []
+        positions: list[int] = []
+        seq_ids: list[int] = []
+        outputs: list[bool] = []
+        samplers: list[tuple[_Sequence, int]] = []
+        for sequence in list(self._active):
+            if sequence.handle.cancelled:
+                self._finish(sequence, FINISH_CANCELLED)
+            elif sequence.next_token is not None:
+                samplers.append((sequence, len(tokens)))
+                tokens.append(sequence.next_token)
+                positions.append(sequence.n_fed)
+                seq_ids.append(sequence.seq_id)
+                outputs.append(True)
+        budget = backend.n_batch - len(tokens)
+        prefilled: list[tuple[_Sequence, int]] = []
+        for sequence in self._active:
+            remaining = len(sequence.prompt) - sequence.n_fed
+            if sequence.next_token is not None or remaining <= 0 or budget <= 0:
+                continue
+            take = min(budget, remaining)
+            start = sequence.n_fed
+            tokens.extend(sequence.prompt[start:start + take])
+            positions.extend(range(start, start + take))
+            seq_ids.extend([sequence.seq_id] * take)
+            outputs.extend([False] * take)
+            if take == remaining:
+                outputs[-1] = True
+                samplers.append((sequence, len(tokens) - 1))
+            prefilled.append((sequence, take))
+            budget -= take
+        if not tokens:
+            return
+        if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
+            # The shared context is full: the newest sequence gives way, the others go on.
+            newest = max(self._active, key=lambda s: s.admitted_at)
+            self._finish(newest, FINISH_LENGTH, "the context is full")
+            return
+        for sequence, take in prefilled:
+            sequence.n_fed += take
+        for sequence, index in samplers:
+            if sequence.next_token is not None:
+                sequence.n_fed += 1
+            self._on_token(sequence, backend.sample(sequence.sampler, index))
+
+    def _on_token(self, sequence: _Sequence, token: int) -> None:
+        backend = self.backend
+        if not sequence.first_token_at:
+            sequence.first_token_at = time.perf_counter()
+        if backend.is_eog(token):
+            sequence.next_token = None
+            self._finish(sequence, FINISH_STOP)
+            return
+        sequence.generated += 1
+        text = sequence.stream.push(backend.token_piece(token))
+        sequence.handle._put(TokenEvent(token, text))
+        if sequence.stream.stopped:
+            self._finish(sequence, FINISH_STOP)
+        elif sequence.generated >= sequence.max_tokens:
+            self._finish(sequence, FINISH_LENGTH)
+        elif sequence.n_fed + 1 > backend.n_ctx_seq:
+            self._finish(sequence, FINISH_LENGTH, "the context is full")
+        else:
+            sequence.next_token = token
+
+    def _finish(self, sequence: _Sequence, reason: str, message: str = "") -> None:
+        now = time.perf_counter()
+        tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
+        first = sequence.first_token_at or now
+        usage = Usage(len(sequence.prompt), sequence.generated, first - sequence.admitted_at, now - first)
+        self._active.remove(sequence)
+        self.backend.seq_rm(sequence.seq_id)
+        self.backend.free_sampler(sequence.sampler)
+        self._free_slots.append(sequence.seq_id)
+        sequence.handle._put(FinishEvent(reason, usage, message, tail))
+
+    def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
+        handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))

