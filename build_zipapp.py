@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from reame.native import LIBRARY_STEMS, LLAMA_COMMIT, build_dir, cache_root  # noqa: E402
+from reame.native import LIBRARY_STEMS, LLAMA_COMMIT, build_dir, cache_root
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"  # vendors llama.cpp at LLAMA_COMMIT
@@ -227,10 +227,9 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool) -> None:
             if not executables:
                 raise BuildError(f"build finished but {tool} is missing under {cmake_dir}")
             shutil.copy2(executables[0], bin_out / tool)
-        # The tools link to the shared libraries next to them, by soname.
-        for stem in LIBRARY_STEMS:
-            for library in cmake_dir.rglob(f"lib{stem}.so*"):
-                shutil.copy2(library, bin_out / library.name)
+        # The tools link to every shared library of the build (llama, ggml, common, …), by soname.
+        for library in cmake_dir.rglob("lib*.so*"):
+            shutil.copy2(library, bin_out / library.name)
     manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256,
                 "libraries": libraries, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from reame import __version__, catalog, fetch
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent

@@ -9,17 +9,33 @@ the ctypes default (int) would truncate 64-bit pointers.
 
 from __future__ import annotations
 
-import ctypes
 from ctypes import POINTER, c_bool, c_char_p, c_float, c_int32, c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import Any
 
 from reame.ctypes_llama import _lib
 from reame.ctypes_llama.types import (
-    c_enum, ggml_abort_callback, ggml_log_callback, llama_batch, llama_chat_message, llama_context_p,
-    llama_context_params, llama_logit_bias, llama_memory_t, llama_model_p, llama_model_params,
-    llama_perf_context_data, llama_perf_sampler_data, llama_pos, llama_sampler_chain_params,
-    llama_sampler_p, llama_seq_id, llama_state_seq_flags, llama_token, llama_token_data_array,
-    llama_vocab_p)
+    c_enum,
+    ggml_abort_callback,
+    ggml_log_callback,
+    llama_batch,
+    llama_chat_message,
+    llama_context_p,
+    llama_context_params,
+    llama_logit_bias,
+    llama_memory_t,
+    llama_model_p,
+    llama_model_params,
+    llama_perf_context_data,
+    llama_perf_sampler_data,
+    llama_pos,
+    llama_sampler_chain_params,
+    llama_sampler_p,
+    llama_seq_id,
+    llama_state_seq_flags,
+    llama_token,
+    llama_token_data_array,
+    llama_vocab_p,
+)
 from reame.errors import ModelError
 
 _PROTOTYPES: list[tuple[str, list[Any], Any]] = []
@@ -353,4 +369,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["load", "declared_names", "ctypes"]
+__all__ = ["declared_names", "load"]

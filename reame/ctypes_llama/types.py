@@ -8,8 +8,21 @@ compiles a C program against the pinned header and compares every `sizeof` and
 from __future__ import annotations
 
 import ctypes
-from ctypes import (POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_float, c_int8,
-                    c_int32, c_int64, c_size_t, c_uint32, c_void_p)
+from ctypes import (
+    POINTER,
+    Structure,
+    c_bool,
+    c_char,
+    c_char_p,
+    c_double,
+    c_float,
+    c_int8,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_void_p,
+)
 
 # typedef int32_t llama_pos; llama_token; llama_seq_id;
 llama_pos = c_int32

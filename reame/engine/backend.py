@@ -17,9 +17,10 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 from reame.engine.sampling import Step
 from reame.errors import ModelError, ModelFileError
@@ -106,7 +107,7 @@ class ModelSettings:
     use_mmap: bool = True
     use_mlock: bool = False
 
-    def validated(self) -> "ModelSettings":
+    def validated(self) -> ModelSettings:
         path = Path(self.path)
         if not path.exists():
             raise ModelFileError(f"model file not found: {self.path}")
@@ -171,7 +172,8 @@ def _init_native() -> None:
     with _init_lock:
         if _backend_ready:
             return
-        from reame.ctypes_llama import api, types as t
+        from reame.ctypes_llama import api
+        from reame.ctypes_llama import types as t
         api.load()
         if os.environ.get("REAME_LLAMA_VERBOSE"):
             _llama_log.setLevel(logging.DEBUG)
@@ -193,7 +195,8 @@ class LlamaBackend:
     def __init__(self, settings: ModelSettings) -> None:
         settings = settings.validated()
         _init_native()
-        from reame.ctypes_llama import api, types as t
+        from reame.ctypes_llama import api
+        from reame.ctypes_llama import types as t
         self._api = api
         self.settings = settings
         self._model = None
@@ -485,7 +488,7 @@ class LlamaBackend:
             api.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> "LlamaBackend":
+    def __enter__(self) -> LlamaBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

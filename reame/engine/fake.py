@@ -19,7 +19,7 @@ import json
 import math
 import random
 import zlib
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
 from reame.engine.sampling import Step

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import queue
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Union
 
 from reame.errors import RequestError
 
@@ -199,7 +200,7 @@ class Handle:
     def __iter__(self) -> Iterator[Event]:
         return self.events()
 
-    def result(self, timeout_s: float | None = None) -> "Completion":
+    def result(self, timeout_s: float | None = None) -> Completion:
         """Wait for the end and return the whole generation."""
         pieces: list[str] = []
         tokens: list[int] = []

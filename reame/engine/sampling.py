@@ -9,8 +9,8 @@ Speculative verification will compute its probabilities from the same chain.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from reame.engine.request import SamplingParams
 

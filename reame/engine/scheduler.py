@@ -9,16 +9,27 @@ being prefilled; each sequence samples with its own sampler chain.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
-from reame.engine.request import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Completion,
-                                  FinishEvent, GenerationRequest, Handle, TokenEvent, Usage)
+from reame.engine.request import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    FinishEvent,
+    GenerationRequest,
+    Handle,
+    TokenEvent,
+    Usage,
+)
 from reame.engine.sampling import chain_steps
 from reame.engine.textstream import TextStream
 from reame.errors import ModelError, RequestError
@@ -29,11 +40,24 @@ log = logging.getLogger("reame.engine")
 class _Sequence:
     """One admitted request while it holds a sequence slot."""
 
-    __slots__ = ("handle", "seq_id", "sampler", "prompt", "n_fed", "next_token", "generated",
-                 "max_tokens", "stream", "admitted_at", "first_token_at")
+    __slots__ = (
+        "admission",
+        "admitted_at",
+        "first_token_at",
+        "generated",
+        "handle",
+        "max_tokens",
+        "n_fed",
+        "next_token",
+        "prompt",
+        "sampler",
+        "seq_id",
+        "stream",
+    )
 
-    def __init__(self, handle: Handle, seq_id: int, sampler: object, max_tokens: int) -> None:
+    def __init__(self, handle: Handle, seq_id: int, sampler: object, max_tokens: int, admission: int) -> None:
         self.handle = handle
+        self.admission = admission  # admission order: the newest gives way when the KV is full
         self.seq_id = seq_id
         self.sampler = sampler
         self.prompt = handle.prompt_tokens
@@ -55,12 +79,13 @@ class Engine:
         self._waiting: deque[Handle] = deque()
         self._active: list[_Sequence] = []
         self._free_slots = list(range(backend.n_seq_max))
+        self._admissions = itertools.count()
         self._thread: threading.Thread | None = None
         self._closing = False
 
     # --- caller side (any thread) ---------------------------------------------------
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="reame-engine", daemon=True)
             self._thread.start()
@@ -119,7 +144,7 @@ class Engine:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -179,7 +204,7 @@ class Engine:
             max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
             seq_id = self._free_slots.pop(0)
             backend.seq_rm(seq_id)
-            self._active.append(_Sequence(handle, seq_id, sampler, max_tokens))
+            self._active.append(_Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions)))
 
     def _step(self) -> None:
         backend = self.backend
@@ -218,7 +243,7 @@ class Engine:
             return
         if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
             # The shared context is full: the newest sequence gives way, the others go on.
-            newest = max(self._active, key=lambda s: s.admitted_at)
+            newest = max(self._active, key=lambda s: s.admission)
             self._finish(newest, FINISH_LENGTH, "the context is full")
             return
         for sequence, take in prefilled:

@@ -9,7 +9,7 @@ even when it spans several tokens.
 from __future__ import annotations
 
 import codecs
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class TextStream:

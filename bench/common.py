@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmarks: models, llama.cpp tools, tables."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from reame import catalog, fetch, native
+from reame.engine.backend import usable_cores
+
+
+def model_path(name: str) -> Path:
+    """A catalog name (fetched into the cache once) or a path."""
+    entry = catalog.resolve(name)
+    if entry is None:
+        return Path(name)
+    return fetch.ensure_model(entry, native.cache_root() / "models")
+
+
+def llama_tool(name: str) -> Path:
+    """llama-bench / llama-server built from the pinned source (`build_zipapp.py --bench-tools`)."""
+    path = native.build_dir(portable=False, tools=True) / "bin" / name
+    if not path.exists():
+        sys.exit(f"{name} not found at {path}: run python build_zipapp.py --bench-tools")
+    return path
+
+
+def machine() -> str:
+    cpu = "unknown cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {usable_cores()} usable cores, {platform.machine()}"
+
+
+def summary(values: list[float]) -> str:
+    """Median and spread (min–max) of repeated measurements."""
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print(line(row))

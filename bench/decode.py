@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Single-stream greedy decode: Reame's engine vs llama-bench tg, same build, model, threads.
+
+    python bench/decode.py                      # SmolLM2-135M and Qwen2.5-Coder-1.5B, 2 threads
+    python bench/decode.py --model smollm2-135m --reps 5
+
+Runs A (llama-bench -p 0 -n N) and B (Reame: N tokens, greedy, end-of-text ignored)
+alternately, so both see the same machine state; prints the median, the spread
+and the ratio B/A. Needs `python build_zipapp.py --lib --bench-tools` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+
+from common import llama_tool, machine, model_path, print_table, summary
+
+from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.native import LLAMA_COMMIT
+
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+def llama_bench_tg(path: str, threads: int, n_tokens: int) -> float:
+    command = [str(llama_tool("llama-bench")), "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads),
+               "-r", "1", "-o", "json"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+def reame_decode(engine: Engine, n_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=n_tokens + 1, ignore_eos=True)
+    result = engine.generate(GenerationRequest(PROMPT, params))
+    return result.finish.usage.decode_tokens_per_second  # n_tokens decode steps after the first token
+
+
+def bench_model(name: str, threads: int, n_tokens: int, reps: int) -> list[str]:
+    path = model_path(name)
+    settings = ModelSettings(str(path), n_ctx=512, n_threads=threads)
+    llama_runs, reame_runs = [], []
+    with LlamaBackend(settings) as backend, Engine(backend) as engine:
+        reame_decode(engine, 16)  # warm up (llama-bench warms up too)
+        for _ in range(reps):
+            llama_runs.append(llama_bench_tg(str(path), threads, n_tokens))
+            reame_runs.append(reame_decode(engine, n_tokens))
+    ratio = statistics.median(reame_runs) / statistics.median(llama_runs)
+    return [name, str(threads), f"tg{n_tokens}", summary(llama_runs), summary(reame_runs), f"{ratio:.3f}"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="catalog name or path (repeatable)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    models = args.model or ["smollm2-135m", "qwen2.5-coder-1.5b"]
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · reps {args.reps}, alternating\n")
+    rows = [bench_model(name, args.threads, args.tokens, args.reps) for name in models]
+    print_table(["model", "threads", "test", "llama-bench tok/s", "reame tok/s", "reame / llama-bench"], rows)
+
+
+if __name__ == "__main__":
+    main()

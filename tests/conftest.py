@@ -1,0 +1,37 @@
+"""Shared fixtures. Tests under tests/integration are marked `integration` and
+share one real model (SmolLM2-135M, fetched once into ~/.cache/reame/models)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "integration" in Path(str(item.fspath)).parts:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def native_libraries():
+    """The pinned libllama, built on first use (a cached build is found at once)."""
+    from reame import native
+    from reame.errors import ModelError
+    try:
+        return native.locate()
+    except ModelError:
+        sys.path.insert(0, str(ROOT))
+        import build_zipapp
+        build_zipapp.build(portable=False, tools=False, jobs=2)
+        return native.locate()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from reame import catalog, fetch, native
+    return fetch.ensure_model(catalog.resolve("smollm2-135m"), native.cache_root() / "models")

@@ -1,0 +1,27 @@
+import pytest
+
+from reame.engine.backend import LlamaBackend, ModelSettings
+
+N_CTX = 2048
+N_SEQ = 4
+
+
+def settings_for(path, **overrides) -> ModelSettings:
+    values = dict(n_ctx=N_CTX, n_seq_max=N_SEQ, n_threads=2, n_batch=512)
+    values.update(overrides)
+    return ModelSettings(str(path), **values)
+
+
+@pytest.fixture(scope="session")
+def shared_backend(native_libraries, smollm2_path):
+    backend = LlamaBackend(settings_for(smollm2_path))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def backend(shared_backend):
+    """The session's backend with an empty KV cache."""
+    shared_backend.clear()
+    yield shared_backend
+    shared_backend.clear()

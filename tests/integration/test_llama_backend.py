@@ -1,0 +1,157 @@
+"""The real libllama through our binding, on SmolLM2-135M-Instruct."""
+
+import pytest
+
+from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine.backend import DECODE_OK, LlamaBackend
+from reame.engine.sampling import chain_steps
+
+from .conftest import settings_for
+
+GREEDY = SamplingParams(temperature=0)
+PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prefill(backend, tokens, seq_id=0) -> int:
+    """Decode `tokens` into `seq_id`; return the greedy next token."""
+    n = len(tokens)
+    assert backend.decode(tokens, list(range(n)), [seq_id] * n, [False] * (n - 1) + [True]) == DECODE_OK
+    sampler = backend.new_sampler(chain_steps(GREEDY))
+    try:
+        return backend.sample(sampler, n - 1)
+    finally:
+        backend.free_sampler(sampler)
+
+
+def greedy_continue(backend, seq_ids, first_token, position, steps=16) -> dict[int, list[int]]:
+    """From `first_token` at `position`, continue every sequence greedily, all in one batch per step."""
+    samplers = {seq: backend.new_sampler(chain_steps(GREEDY)) for seq in seq_ids}
+    out = {seq: [first_token] for seq in seq_ids}
+    try:
+        for step in range(steps):
+            n = len(seq_ids)
+            assert backend.decode([out[s][-1] for s in seq_ids], [position + step] * n, list(seq_ids),
+                                  [True] * n) == DECODE_OK
+            for index, seq in enumerate(seq_ids):
+                out[seq].append(backend.sample(samplers[seq], index))
+    finally:
+        for sampler in samplers.values():
+            backend.free_sampler(sampler)
+    return out
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", "  leading spaces and\ttabs\n", "café 🙂 naïve — ünïcödé",
+                                  "def f(x):\n    return x * 2\n"])
+def test_tokenize_detokenize_round_trip(backend, text):
+    tokens = backend.tokenize(text, add_special=False)
+    assert tokens and backend.detokenize(tokens) == text
+    assert b"".join(backend.token_piece(t) for t in tokens).decode() == text
+
+
+def test_special_tokens_are_parsed_as_single_ids(backend):
+    tokens = backend.tokenize("<|im_start|>user", add_special=False)
+    assert len(tokens) == 2 and backend.token_piece(tokens[0]) == b""
+
+
+def test_chat_template_is_the_models_own(backend):
+    text = backend.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hi"}])
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+def test_end_of_turn_is_an_end_of_generation_token(backend):
+    im_end = backend.tokenize("<|im_end|>", add_special=False)[0]
+    assert backend.is_eog(im_end) and im_end in backend.eog_tokens()
+    assert not backend.is_eog(backend.tokenize("hello", add_special=False)[0])
+
+
+def test_greedy_generation_is_deterministic_run_to_run(backend):
+    with Engine(backend) as engine:
+        first = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=24)))
+        second = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=24)))
+    assert first.tokens == second.tokens and first.text.strip()
+
+
+def test_seeded_sampling_is_reproducible(backend):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
+    with Engine(backend) as engine:
+        runs = [engine.generate(GenerationRequest(PROMPT, params)).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_cloned_sequences_continue_identically_to_each_other_and_to_the_original(backend):
+    tokens = backend.tokenize(PROMPT)
+    first = prefill(backend, tokens, 0)
+    reference = greedy_continue(backend, [0], first, len(tokens))[0]
+
+    backend.clear()
+    assert prefill(backend, tokens, 0) == first
+    for clone in (1, 2, 3):
+        backend.seq_cp(0, clone)
+    assert greedy_continue(backend, [1], first, len(tokens))[1] == reference
+    together = greedy_continue(backend, [0, 2, 3], first, len(tokens))
+    assert together[0] == together[2] == together[3]
+
+
+def test_state_restored_into_a_fresh_context_continues_identically(backend, smollm2_path):
+    tokens = backend.tokenize(PROMPT)
+    first = prefill(backend, tokens, 0)
+    blob = backend.seq_state_get(0)
+    assert blob
+    reference = greedy_continue(backend, [0], first, len(tokens))[0]
+
+    with LlamaBackend(settings_for(smollm2_path)) as fresh:
+        assert fresh.seq_state_set(2, blob)
+        assert fresh.seq_pos_max(2) == len(tokens) - 1
+        restored = greedy_continue(fresh, [2], first, len(tokens))[2]
+    assert restored == reference
+
+
+def test_state_blob_into_a_different_kv_layout_is_refused_not_garbage(backend, smollm2_path):
+    prefill(backend, backend.tokenize(PROMPT), 0)
+    blob = backend.seq_state_get(0)
+    with LlamaBackend(settings_for(smollm2_path, kv_type="q8_0")) as other:
+        assert not other.seq_state_set(0, blob)
+        assert other.seq_pos_max(0) == -1
+    assert not backend.seq_state_set(1, blob[: len(blob) // 2])
+
+
+def test_copies_of_one_prompt_in_one_batch_give_identical_greedy_outputs(backend):
+    with Engine(backend) as engine:
+        handles = [engine.submit(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=20)))
+                   for _ in range(4)]
+        outputs = [handle.result(timeout_s=120).tokens for handle in handles]
+    assert all(output == outputs[0] for output in outputs)
+
+
+def test_stop_string_ends_real_generation_without_leaking(backend):
+    with Engine(backend) as engine:
+        free = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=30)))
+        words = free.text.split()
+        assert len(words) > 3
+        stop = words[2]
+        stopped = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=30,
+                                                                           stop=(stop,))))
+    assert stopped.finish.reason == "stop"
+    assert stop not in stopped.text and free.text.startswith(stopped.text)
+
+
+def test_cancel_frees_the_sequence_kv(backend):
+    with Engine(backend) as engine:
+        handle = engine.submit(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=500,
+                                                                        ignore_eos=True)))
+        events = handle.events(timeout_s=60)
+        assert isinstance(next(events), TokenEvent)
+        handle.cancel()
+        for _ in events:
+            pass
+    assert handle.finish.reason == "cancelled"
+    assert all(backend.seq_pos_max(seq) == -1 for seq in range(4))
+
+
+def test_ignore_eos_runs_to_max_tokens(backend):
+    with Engine(backend) as engine:
+        result = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=64,
+                                                                          ignore_eos=True)))
+    assert len(result.tokens) == 64 and result.finish.reason == "length"

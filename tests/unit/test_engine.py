@@ -1,0 +1,195 @@
+"""The engine thread on FakeBackend: exact behaviour, no model needed."""
+
+import threading
+
+import pytest
+
+from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine.fake import EOS, N_VOCAB, FakeBackend
+from reame.errors import RequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=60)
+PROMPTS = ["hello world", "abc", "the quick brown fox", "x", "zzz top", "one two three"]
+
+
+def run_alone(prompt: str, params: SamplingParams = GREEDY, **backend_args) -> list[int]:
+    with Engine(FakeBackend(**backend_args)) as engine:
+        return engine.generate(GenerationRequest(prompt, params)).tokens
+
+
+def test_greedy_generation_is_deterministic():
+    assert run_alone("hello world") == run_alone("hello world")
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    params = SamplingParams(temperature=0.9, max_tokens=40, seed=11, ignore_eos=True)
+    first = run_alone("hello", params)
+    assert first == run_alone("hello", params)
+    other = run_alone("hello", SamplingParams(temperature=0.9, max_tokens=40, seed=12, ignore_eos=True))
+    assert first != other
+
+
+def test_many_sequences_in_one_step_give_the_same_tokens_as_each_alone():
+    alone = {prompt: run_alone(prompt, n_seq_max=4) for prompt in PROMPTS}
+    backend = FakeBackend(n_seq_max=4, n_ctx=2048)
+    engine = Engine(backend)
+    handles = [engine.submit(GenerationRequest(prompt, GREEDY)) for prompt in PROMPTS]
+    engine.start()
+    try:
+        together = {prompt: handle.result(timeout_s=10).tokens for prompt, handle in zip(PROMPTS, handles)}
+    finally:
+        engine.close()
+    assert together == alone
+    widest = max(len({seq for _, _, seq, _ in call}) for call in backend.decode_calls)
+    assert widest == 4, "sequences were not decoded in one batch"
+
+
+def test_long_prompt_is_prefilled_in_chunks_with_the_same_output():
+    prompt = "a long prompt that does not fit in one batch " * 4
+    backend = FakeBackend(n_batch=16)
+    with Engine(backend) as engine:
+        chunked = engine.generate(GenerationRequest(prompt, GREEDY)).tokens
+    assert all(len(call) <= 16 for call in backend.decode_calls)
+    assert chunked == run_alone(prompt, n_batch=512)
+
+
+def test_end_of_generation_token_ends_the_sequence_and_is_not_emitted():
+    with Engine(FakeBackend()) as engine:
+        result = engine.generate(GenerationRequest("abc", SamplingParams(temperature=0, max_tokens=200)))
+    assert result.finish.reason == "stop"
+    assert EOS not in result.tokens
+    assert result.finish.usage.completion_tokens == len(result.tokens)
+
+
+def test_ignore_eos_generates_exactly_max_tokens():
+    with Engine(FakeBackend()) as engine:
+        result = engine.generate(GenerationRequest("abc", SamplingParams(temperature=0, max_tokens=100,
+                                                                         ignore_eos=True)))
+    assert len(result.tokens) == 100
+    assert result.finish.reason == "length"
+
+
+def test_stop_string_spanning_tokens_ends_generation_and_never_leaks():
+    free = run_alone("hello world", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    text = bytes(t for t in free if t < 256).decode("utf-8", "replace")
+    stop = text[10:13]  # three bytes, so three tokens
+    with Engine(FakeBackend()) as engine:
+        handle = engine.submit(GenerationRequest("hello world", SamplingParams(
+            temperature=0, max_tokens=60, ignore_eos=True, stop=(stop,))))
+        events = list(handle)
+    streamed = "".join(e.text for e in events if isinstance(e, TokenEvent)) + handle.finish.text
+    assert streamed == text[:text.index(stop)]
+    assert handle.finish.reason == "stop"
+
+
+def test_split_utf8_characters_stream_whole():
+    def rule(history):
+        logits = [-1e9] * N_VOCAB
+        cycle = "aé🙂".encode()
+        logits[cycle[(len(history) - 2) % len(cycle)]] = 1.0  # history starts as [BOS, "q"]
+        return logits
+    with Engine(FakeBackend(rule=rule)) as engine:
+        handle = engine.submit(GenerationRequest("q", SamplingParams(temperature=0, max_tokens=21)))
+        texts = [event.text for event in handle if isinstance(event, TokenEvent)]
+    joined = "".join(texts)
+    assert "\ufffd" not in joined
+    assert set(joined) <= set("aé🙂")
+    assert all(len(text) <= 1 for text in texts)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused_before_any_work():
+    backend = FakeBackend(n_ctx=64)
+    with Engine(backend) as engine:
+        with pytest.raises(RequestError) as raised:
+            engine.submit(GenerationRequest("x" * 40, SamplingParams(max_tokens=30)))
+        assert raised.value.param == "max_tokens"
+        with pytest.raises(RequestError):
+            engine.submit(GenerationRequest("x" * 80))
+    assert backend.decode_calls == []
+
+
+def test_token_prompt_outside_vocabulary_is_refused():
+    with Engine(FakeBackend()) as engine:
+        with pytest.raises(RequestError):
+            engine.submit(GenerationRequest([1, N_VOCAB]))
+        with pytest.raises(RequestError):
+            engine.submit(GenerationRequest([1, 2], SamplingParams(logit_bias={N_VOCAB: 1.0})))
+
+
+def test_without_max_tokens_generation_stops_when_the_context_is_full():
+    with Engine(FakeBackend(n_ctx=48)) as engine:
+        result = engine.generate(GenerationRequest("abcd", SamplingParams(temperature=0, ignore_eos=True)))
+    assert result.finish.reason == "length"
+    assert len(result.tokens) == 48 - 5
+
+
+def test_cancel_stops_generation_and_frees_the_kv():
+    gate = threading.Event()
+
+    def slow_rule(history):
+        gate.wait(5)
+        logits = [0.0] * N_VOCAB
+        logits[ord("a")] = 5.0
+        return logits
+
+    backend = FakeBackend(rule=slow_rule)
+    with Engine(backend) as engine:
+        handle = engine.submit(GenerationRequest("q", SamplingParams(temperature=0, max_tokens=400)))
+        events = handle.events(timeout_s=5)
+        gate.set()
+        next(events)
+        handle.cancel()
+        for _ in events:
+            pass
+    assert handle.finish.reason == "cancelled"
+    assert handle.finish.usage.completion_tokens < 400
+    assert backend.kv_tokens(0) == []
+
+
+def test_cancelled_before_admission_never_runs():
+    backend = FakeBackend()
+    engine = Engine(backend)
+    handle = engine.submit(GenerationRequest("abc", GREEDY))
+    handle.cancel()
+    engine.start()
+    try:
+        result = handle.result(timeout_s=5)
+    finally:
+        engine.close()
+    assert result.finish.reason == "cancelled"
+    assert backend.decode_calls == []
+
+
+def test_full_shared_context_ends_only_the_newest_sequence():
+    backend = FakeBackend(n_ctx=100, n_seq_max=2)
+    engine = Engine(backend)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    older = engine.submit(GenerationRequest("first", params))
+    newer = engine.submit(GenerationRequest("second", params))
+    engine.start()
+    try:
+        newer_result = newer.result(timeout_s=5)
+        older_result = older.result(timeout_s=5)
+    finally:
+        engine.close()
+    assert newer_result.finish.reason == "length" and newer_result.finish.message == "the context is full"
+    assert older_result.finish.reason == "length" and older_result.finish.message == ""
+    assert len(older_result.tokens) == 60
+
+
+def test_close_cancels_running_and_waiting_requests():
+    gate = threading.Event()
+
+    def blocking_rule(history):
+        gate.wait(5)
+        return [0.0] * N_VOCAB
+
+    engine = Engine(FakeBackend(rule=blocking_rule)).start()
+    running = engine.submit(GenerationRequest("a", GREEDY))
+    waiting = engine.submit(GenerationRequest("b", GREEDY))
+    gate.set()
+    engine.close()
+    assert running.result(timeout_s=5).finish.reason in ("cancelled", "length", "stop")
+    assert waiting.result(timeout_s=5).finish.reason == "cancelled"
+    with pytest.raises(RequestError):
+        engine.submit(GenerationRequest("c", GREEDY))

