@@ -262,7 +262,12 @@ _declare("llama_chat_apply_template",
 # LLAMA_API int32_t llama_chat_builtin_templates(const char ** output, size_t len);
 _declare("llama_chat_builtin_templates", [POINTER(c_char_p), c_size_t], c_int32)
 
+# LLAMA_API llama_token llama_get_sampled_token_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_sampled_token_ith", [llama_context_p, c_int32], llama_token)
+
 # --- Sampling API ---
+# LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
+_declare("llama_set_sampler", [llama_context_p, llama_seq_id, llama_sampler_p], c_bool)
 # LLAMA_API const char * llama_sampler_name(const struct llama_sampler * smpl);
 _declare("llama_sampler_name", [llama_sampler_p], c_char_p)
 # LLAMA_API void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);

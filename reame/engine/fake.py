@@ -225,7 +225,7 @@ class FakeBackend:
         self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
         return DECODE_OK
 
-    def new_sampler(self, steps: Sequence[Step]) -> FakeSampler:
+    def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> FakeSampler:
         return FakeSampler(steps)
 
     def sample(self, sampler: FakeSampler, index: int) -> int:

@@ -178,33 +178,43 @@ class Engine:
                     self._step()
                 except Exception as error:  # a failed step ends what it carried, never the thread
                     log.exception("engine step failed")
-                    message = str(error) if isinstance(error, ModelError) else f"internal error: {error}"
                     for sequence in list(self._active):
-                        self._finish(sequence, FINISH_ERROR, message)
+                        self._finish(sequence, FINISH_ERROR, _describe(error))
         for sequence in list(self._active):
             self._finish(sequence, FINISH_CANCELLED, "the engine shut down")
         while self._waiting:
             self._reject(self._waiting.popleft(), FINISH_CANCELLED, "the engine shut down")
 
     def _admit(self) -> None:
-        backend = self.backend
         while self._waiting and self._free_slots:
             handle = self._waiting.popleft()
             if handle.cancelled:
                 self._reject(handle, FINISH_CANCELLED)
                 continue
-            params = handle.request.params
-            steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
-            sampler = backend.new_sampler(steps)
-            if params.penalised:
-                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
-                    handle.prompt_tokens[-params.repeat_last_n:]
-                for token in window:
-                    backend.accept(sampler, token)
-            max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
-            seq_id = self._free_slots.pop(0)
-            backend.seq_rm(seq_id)
-            self._active.append(_Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions)))
+            try:
+                sequence = self._start(handle)
+            except Exception as error:  # one bad admission fails its request, not the engine
+                log.exception("cannot start a request")
+                self._reject(handle, FINISH_ERROR, _describe(error))
+                continue
+            self._active.append(sequence)
+
+    def _start(self, handle: Handle) -> _Sequence:
+        """Give a request a sequence slot with an empty KV and its own sampler chain."""
+        backend = self.backend
+        params = handle.request.params
+        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
+        seq_id = self._free_slots[0]
+        backend.seq_rm(seq_id)
+        sampler = backend.new_sampler(steps, seq_id)
+        if params.penalised:
+            window = handle.prompt_tokens if params.repeat_last_n < 0 else \
+                handle.prompt_tokens[-params.repeat_last_n:]
+            for token in window:
+                backend.accept(sampler, token)
+        max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
+        self._free_slots.pop(0)
+        return _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
 
     def _step(self) -> None:
         backend = self.backend
@@ -286,3 +296,7 @@ class Engine:
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, ModelError) else f"internal error: {error!r}"

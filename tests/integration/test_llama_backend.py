@@ -155,3 +155,17 @@ def test_ignore_eos_runs_to_max_tokens(backend):
         result = engine.generate(GenerationRequest(PROMPT, SamplingParams(temperature=0, max_tokens=64,
                                                                           ignore_eos=True)))
     assert len(result.tokens) == 64 and result.finish.reason == "length"
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=32, repeat_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=0.5, logit_bias={2: 5.0}),
+])
+def test_sampling_inside_the_graph_picks_the_same_tokens_as_on_the_cpu(backend, smollm2_path, params):
+    with Engine(backend) as engine:
+        in_graph = engine.generate(GenerationRequest(PROMPT, params)).tokens
+    with LlamaBackend(settings_for(smollm2_path, graph_sampling=False)) as cpu_backend:
+        with Engine(cpu_backend) as engine:
+            on_cpu = engine.generate(GenerationRequest(PROMPT, params)).tokens
+    assert in_graph == on_cpu

@@ -6,7 +6,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
 from reame.engine.fake import EOS, N_VOCAB, FakeBackend
-from reame.errors import RequestError
+from reame.errors import ModelError, RequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 PROMPTS = ["hello world", "abc", "the quick brown fox", "x", "zzz top", "one two three"]
@@ -193,3 +193,34 @@ def test_close_cancels_running_and_waiting_requests():
     assert waiting.result(timeout_s=5).finish.reason == "cancelled"
     with pytest.raises(RequestError):
         engine.submit(GenerationRequest("c", GREEDY))
+
+
+def test_a_request_that_fails_to_start_fails_alone_and_the_engine_goes_on():
+    class BrokenSamplerBackend(FakeBackend):
+        def new_sampler(self, steps, seq_id=None):
+            if any(step.kind == "penalties" for step in steps):
+                raise ValueError("boom")
+            return super().new_sampler(steps, seq_id)
+
+    with Engine(BrokenSamplerBackend()) as engine:
+        failed = engine.generate(GenerationRequest("abc", SamplingParams(repeat_penalty=1.2)), timeout_s=5)
+        fine = engine.generate(GenerationRequest("abc", GREEDY), timeout_s=5)
+    assert failed.finish.reason == "error" and "boom" in failed.finish.message
+    assert fine.finish.reason in ("stop", "length") and fine.tokens
+
+
+def test_a_failing_decode_ends_the_requests_it_carried_and_the_engine_goes_on():
+    class FlakyBackend(FakeBackend):
+        fail_next = True
+
+        def decode(self, *args):
+            if self.fail_next:
+                self.fail_next = False
+                raise ModelError("decode exploded")
+            return super().decode(*args)
+
+    with Engine(FlakyBackend()) as engine:
+        failed = engine.generate(GenerationRequest("abc", GREEDY), timeout_s=5)
+        fine = engine.generate(GenerationRequest("abc", GREEDY), timeout_s=5)
+    assert failed.finish.reason == "error" and failed.finish.message == "decode exploded"
+    assert fine.tokens == run_alone("abc")

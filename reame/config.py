@@ -1,0 +1,172 @@
+"""Settings from defaults < INI file < REAME_* environment < command-line flags.
+
+The INI format is the original's (`[section]`, `key = value`, `#`/`;` comment
+lines) plus inline comments (` # …` or ` ; …` after a value) and optional
+double quotes around a value. Every key is declared once in `KEYS` with its
+type, default and meaning; an unknown key is an error that names the closest
+known key, and a bad value names its file and line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from reame.errors import ConfigError
+
+log = logging.getLogger("reame.config")
+ENV_PREFIX = "REAME_"
+# Environment variables that are not config keys (see docs/configuration.md).
+NON_KEY_ENV = {"REAME_HOME", "REAME_CACHE", "REAME_LIBLLAMA", "REAME_LLAMA_VERBOSE", "REAME_CONFIG"}
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str  # section.key
+    kind: str  # str | int | float | bool | choice
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+
+    @property
+    def env_name(self) -> str:
+        return ENV_PREFIX + self.name.replace(".", "_").upper()
+
+
+KEYS: tuple[Key, ...] = (
+    Key("logging.level", "choice", "info", "log level of Reame's own lines on stderr",
+        choices=("debug", "info", "warn", "error")),
+    Key("model.path", "str", "", "catalog name or path of a .gguf file (relative to the working directory)"),
+    Key("model.context_length", "int", 0, "context length in tokens; 0 = chosen for this host and model",
+        minimum=0),
+    Key("model.threads", "int", 0, "CPU threads; 0 = chosen for this host", minimum=0),
+    Key("model.batch", "int", 0, "most tokens per llama_decode call; 0 = chosen for this host", minimum=0),
+    Key("model.ubatch", "int", 0, "physical batch; 0 = chosen for this host", minimum=0),
+    Key("memory.use_mmap", "bool", True, "map the model file instead of reading it"),
+    Key("memory.use_mlock", "bool", False, "lock the model in RAM"),
+    Key("memory.kv_cache_type", "choice", "auto", "KV cache element type; auto = chosen for this host",
+        choices=("auto", "f16", "q8_0", "q4_0")),
+    Key("generation.max_tokens", "int", 512, "default most tokens to generate", minimum=1),
+    Key("generation.temperature", "float", 0.7, "default sampling temperature; 0 = greedy", minimum=0),
+    Key("generation.seed", "int", 42, "default sampling seed", minimum=0),
+)
+KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
+
+
+@dataclass(frozen=True)
+class Value:
+    value: Any
+    origin: str  # "default", "file.conf:12", "env REAME_MODEL_THREADS", "flag --threads"
+
+
+def parse_ini(text: str, source: str) -> dict[str, tuple[str, int]]:
+    """`section.key` -> (raw value, line number); syntax errors name the line."""
+    entries: dict[str, tuple[str, int]] = {}
+    section = ""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            if not line.endswith("]"):
+                raise ConfigError(f"{source}:{number}: unterminated section header: {line}")
+            section = line[1:-1].strip()
+            if not section:
+                raise ConfigError(f"{source}:{number}: empty section name")
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{source}:{number}: expected 'key = value', got: {line}")
+        key, value = (part.strip() for part in line.split("=", 1))
+        if not key:
+            raise ConfigError(f"{source}:{number}: empty key")
+        entries[f"{section}.{key}" if section else key] = (_strip_comment(value, source, number), number)
+    return entries
+
+
+def _strip_comment(value: str, source: str, number: int) -> str:
+    if value.startswith('"'):
+        end = value.find('"', 1)
+        if end < 0:
+            raise ConfigError(f"{source}:{number}: unterminated quoted value")
+        rest = value[end + 1:].strip()
+        if rest and rest[0] not in "#;":
+            raise ConfigError(f"{source}:{number}: unexpected text after quoted value: {rest}")
+        return value[1:end]
+    for index, char in enumerate(value):
+        if char in "#;" and (index == 0 or value[index - 1] in " \t"):
+            return value[:index].rstrip()
+    return value
+
+
+def convert(key: Key, raw: str, where: str) -> Any:
+    """Turn a raw string into the key's type, or raise ConfigError naming `where`."""
+    text = raw.strip()
+    if key.kind == "str":
+        return text
+    if key.kind == "choice":
+        if text.lower() not in key.choices:
+            raise ConfigError(f"{where}: {key.name} must be one of {', '.join(key.choices)}, got '{raw}'")
+        return text.lower()
+    if key.kind == "bool":
+        lowered = text.lower()
+        if lowered in ("true", "yes", "on", "1"):
+            return True
+        if lowered in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(f"{where}: {key.name} must be true or false, got '{raw}'")
+    parse: Callable[[str], Any] = int if key.kind == "int" else float
+    try:
+        value = parse(text)
+    except ValueError:
+        what = "a whole number" if key.kind == "int" else "a number"
+        raise ConfigError(f"{where}: {key.name} must be {what}, got '{raw}'") from None
+    if key.minimum is not None and not value >= key.minimum:
+        raise ConfigError(f"{where}: {key.name} must be >= {key.minimum:g}, got {raw}")
+    return value
+
+
+def unknown_key_error(name: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, KEYS_BY_NAME, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see docs/configuration.md"
+    return ConfigError(f"{where}: unknown key '{name}'{hint}")
+
+
+def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+         flags: Mapping[str, Any] | None = None) -> dict[str, Value]:
+    """Every key's value and where it came from, in precedence order."""
+    values = {key.name: Value(key.default, "default") for key in KEYS}
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {source}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read config file {source}: {error}") from None
+        for name, (raw, number) in parse_ini(text, source).items():
+            where = f"{source}:{number}"
+            key = KEYS_BY_NAME.get(name)
+            if key is None:
+                raise unknown_key_error(name, where)
+            values[name] = Value(convert(key, raw, where), where)
+    environment = os.environ if env is None else env
+    env_keys = {key.env_name: key for key in KEYS}
+    for variable, raw in environment.items():
+        if not variable.startswith(ENV_PREFIX) or variable in NON_KEY_ENV:
+            continue
+        key = env_keys.get(variable)
+        if key is None:
+            close = difflib.get_close_matches(variable, list(env_keys) + sorted(NON_KEY_ENV), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            log.warning("ignoring unknown environment variable %s%s", variable, hint)
+            continue
+        values[key.name] = Value(convert(key, raw, f"environment {variable}"), f"env {variable}")
+    for name, value in (flags or {}).items():
+        if value is not None:
+            values[name] = Value(value, "flag")
+    return values

@@ -1,0 +1,88 @@
+"""The INI config: precedence, inline comments, and one clear line for every mistake."""
+
+import logging
+
+import pytest
+
+from reame import config
+from reame.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "reame.conf"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_is_defaults_then_file_then_environment_then_flags(tmp_path):
+    path = write(tmp_path, "[model]\nthreads = 3\ncontext_length = 1024\n[generation]\nseed = 5\n")
+    values = config.load(path, env={"REAME_MODEL_THREADS": "4", "REAME_GENERATION_SEED": "6"},
+                         flags={"generation.seed": 7, "model.batch": None})
+    assert values["model.context_length"].value == 1024 and values["model.context_length"].origin.endswith(":3")
+    assert values["model.threads"].value == 4 and values["model.threads"].origin == "env REAME_MODEL_THREADS"
+    assert values["generation.seed"].value == 7 and values["generation.seed"].origin == "flag"
+    assert values["model.batch"].origin == "default"
+
+
+def test_inline_comments_and_quotes(tmp_path):
+    path = write(tmp_path, '; a comment\n[memory]\nkv_cache_type = q8_0   # f16 | q8_0 | q4_0\n'
+                           'use_mmap = off ; no mapping\n[model]\npath = "models/a #1.gguf"  # quoted\n'
+                           '# trailing\n')
+    values = config.load(path, env={})
+    assert values["memory.kv_cache_type"].value == "q8_0"
+    assert values["memory.use_mmap"].value is False
+    assert values["model.path"].value == "models/a #1.gguf"
+
+
+def test_hash_inside_a_value_without_space_is_kept(tmp_path):
+    values = config.load(write(tmp_path, "[model]\npath = m#1.gguf\n"), env={})
+    assert values["model.path"].value == "m#1.gguf"
+
+
+def test_unknown_key_names_the_closest_known_key_and_the_line(tmp_path):
+    path = write(tmp_path, "[model]\n\nthread = 4\n")
+    with pytest.raises(ConfigError) as raised:
+        config.load(path, env={})
+    message = str(raised.value)
+    assert f"{path}:3" in message and "did you mean 'model.threads'" in message
+
+
+@pytest.mark.parametrize("text, line, fragment", [
+    ("[model]\nthreads = four\n", 2, "whole number"),
+    ("[model]\nthreads = -1\n", 2, ">= 0"),
+    ("[memory]\nuse_mlock = maybe\n", 2, "true or false"),
+    ("[memory]\nkv_cache_type = q2\n", 2, "one of"),
+    ("[generation]\ntemperature = warm\n", 2, "a number"),
+    ("[model\nthreads = 2\n", 1, "unterminated section"),
+    ("[]\n", 1, "empty section"),
+    ("[model]\njust words\n", 2, "expected 'key = value'"),
+    ("[model]\n= 3\n", 2, "empty key"),
+    ('[model]\npath = "open\n', 2, "unterminated quoted"),
+    ('[model]\npath = "a" b\n', 2, "after quoted value"),
+])
+def test_malformed_files_name_file_and_line(tmp_path, text, line, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as raised:
+        config.load(path, env={})
+    assert f"{path}:{line}" in str(raised.value) and fragment in str(raised.value)
+
+
+def test_unreadable_or_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(tmp_path / "missing.conf", env={})
+    binary = tmp_path / "binary.conf"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(binary, env={})
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(ConfigError, match="REAME_MODEL_THREADS"):
+        config.load(env={"REAME_MODEL_THREADS": "lots"})
+
+
+def test_unknown_environment_variable_is_ignored_with_a_hint(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("reame"), "propagate", True)  # the CLI may have cut it off
+    values = config.load(env={"REAME_MODEL_THREAD": "2", "REAME_HOME": "/x"})
+    assert values["model.threads"].origin == "default"
+    assert "REAME_MODEL_THREADS" in caplog.text
