@@ -5,8 +5,9 @@
     python bench/decode.py --model smollm2-135m --reps 5
 
 Runs A (llama-bench -p 0 -n N) and B (Reame: N tokens, greedy, end-of-text ignored)
-alternately, so both see the same machine state; prints the median, the spread
-and the ratio B/A. Needs `python build_zipapp.py --lib --bench-tools` first.
+alternately in ABBA order, so both see the same machine state; prints the median and spread
+of each, and the median of the per-pair ratios B/A (robust to the machine's
+speed drifting during the run). Needs `python build_zipapp.py --lib --bench-tools` first.
 """
 
 from __future__ import annotations
@@ -40,15 +41,22 @@ def reame_decode(engine: Engine, n_tokens: int) -> float:
 
 def bench_model(name: str, threads: int, n_tokens: int, reps: int) -> list[str]:
     path = model_path(name)
-    settings = ModelSettings(str(path), n_ctx=512, n_threads=threads)
+    # The context llama-bench gives tg: room for the generated tokens (our prompt is a dozen tokens).
+    settings = ModelSettings(str(path), n_ctx=n_tokens + 64, n_threads=threads)
     llama_runs, reame_runs = [], []
     with LlamaBackend(settings) as backend, Engine(backend) as engine:
         reame_decode(engine, 16)  # warm up (llama-bench warms up too)
-        for _ in range(reps):
-            llama_runs.append(llama_bench_tg(str(path), threads, n_tokens))
-            reame_runs.append(reame_decode(engine, n_tokens))
-    ratio = statistics.median(reame_runs) / statistics.median(llama_runs)
-    return [name, str(threads), f"tg{n_tokens}", summary(llama_runs), summary(reame_runs), f"{ratio:.3f}"]
+        for rep in range(reps):
+            # ABBA order: neither side always runs right after the other.
+            if rep % 2 == 0:
+                llama_runs.append(llama_bench_tg(str(path), threads, n_tokens))
+                reame_runs.append(reame_decode(engine, n_tokens))
+            else:
+                reame_runs.append(reame_decode(engine, n_tokens))
+                llama_runs.append(llama_bench_tg(str(path), threads, n_tokens))
+    ratios = [b / a for a, b in zip(llama_runs, reame_runs)]
+    return [name, str(threads), f"tg{n_tokens}", summary(llama_runs), summary(reame_runs),
+            f"{statistics.median(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f})"]
 
 
 def main() -> None:
@@ -61,7 +69,7 @@ def main() -> None:
     models = args.model or ["smollm2-135m", "qwen2.5-coder-1.5b"]
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · reps {args.reps}, alternating\n")
     rows = [bench_model(name, args.threads, args.tokens, args.reps) for name in models]
-    print_table(["model", "threads", "test", "llama-bench tok/s", "reame tok/s", "reame / llama-bench"], rows)
+    print_table(["model", "threads", "test", "llama-bench tok/s", "reame tok/s", "reame / llama-bench (paired)"], rows)
 
 
 if __name__ == "__main__":
