@@ -133,6 +133,9 @@ def cmake_options(portable: bool, tools: bool) -> list[str]:
         "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_CURL=OFF",
         "-DGGML_NATIVE=" + ("OFF" if portable else "ON"),
+        # Portable: one CPU backend library per instruction-set level, the best one picked at run time.
+        "-DGGML_BACKEND_DL=" + ("ON" if portable else "OFF"),
+        "-DGGML_CPU_ALL_VARIANTS=" + ("ON" if portable else "OFF"),
         "-DGGML_OPENMP=ON",
         # Libraries and tools find each other next to themselves, wherever the cache is.
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
@@ -190,18 +193,18 @@ def build(portable: bool, tools: bool, jobs: int) -> Path:
     configure = ["cmake", "-S", str(THIRD_PARTY), "-B", str(work / "build"),
                  *cmake_options(portable, tools)]
     run_with_progress(configure, log_path, "configure")
-    targets = ["llama", *(BENCH_TOOLS if tools else ())]
-    compile_command = ["cmake", "--build", str(work / "build"), "--config", "Release",
-                       "-j", str(jobs), "--target", *targets]
+    # A portable build also needs every CPU variant library, which only the default target builds.
+    targets = [] if portable else ["--target", "llama", *(BENCH_TOOLS if tools else ())]
+    compile_command = ["cmake", "--build", str(work / "build"), "--config", "Release", "-j", str(jobs), *targets]
     run_with_progress(compile_command, log_path, "compile")
 
-    install_build(work / "build", target_dir, tools)
+    install_build(work / "build", target_dir, tools, portable)
     shutil.rmtree(work, ignore_errors=True)
     say(f"done: {target_dir}")
     return target_dir
 
 
-def install_build(cmake_dir: Path, target_dir: Path, tools: bool) -> None:
+def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool) -> None:
     """Copy libraries, headers (for the layout test) and tools into the cache, atomically."""
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_ensure(target_dir.parent)))
     staging.chmod(0o755)
@@ -211,9 +214,18 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool) -> None:
     for stem in LIBRARY_STEMS:
         found = sorted(cmake_dir.rglob(f"lib{stem}.so")) + sorted(cmake_dir.rglob(f"lib{stem}.dylib"))
         if not found:
+            if stem == "ggml-cpu" and portable:
+                continue  # dynamic CPU variants instead, below
             raise BuildError(f"build finished but lib{stem} is missing under {cmake_dir}")
         shutil.copy2(found[0], lib_out / found[0].name)
         libraries[stem] = found[0].name
+    if portable:
+        variants = sorted(cmake_dir.rglob("libggml-cpu-*.so"))
+        if not variants:
+            raise BuildError(f"portable build finished without CPU variant libraries under {cmake_dir}")
+        for variant in variants:
+            shutil.copy2(variant, lib_out / variant.name)
+        libraries["cpu_variants"] = [variant.name for variant in variants]
     include_out = staging / "include"
     include_out.mkdir()
     for header in [THIRD_PARTY / "include" / "llama.h", *(THIRD_PARTY / "ggml" / "include").glob("*.h")]:
@@ -230,7 +242,7 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool) -> None:
         # The tools link to every shared library of the build (llama, ggml, common, …), by soname.
         for library in cmake_dir.rglob("lib*.so*"):
             shutil.copy2(library, bin_out / library.name)
-    manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256,
+    manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256, "portable": portable,
                 "libraries": libraries, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if target_dir.exists():

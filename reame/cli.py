@@ -1,4 +1,4 @@
-"""Command line: `reame run MODEL "prompt"`.
+"""Command line: run, list, pull, and config mode (`reame --config FILE --prompt …`).
 
 Answers go to stdout, logs and the stats line to stderr. Exit codes: 0 success,
 2 usage or bad input, 1 runtime failure. A user error is one line, never a
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Sequence
 
-from reame import __version__, catalog, fetch
-from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
+from reame import __version__, autoconfig, catalog, config, fetch
+from reame.chat import Conversation, line_reader, repl, stream_answer
+from reame.engine import Engine, FinishEvent, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
@@ -23,26 +25,16 @@ log = logging.getLogger("reame")
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 USER_ERRORS = (ConfigError, RequestError, FetchError, ModelFileError)
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reame", description="CPU-first LLM inference on llama.cpp.")
-    parser.add_argument("--version", action="version",
-                        version=f"reame {__version__} (llama.cpp {LLAMA_COMMIT})")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = commands.add_parser("run", help="answer a prompt with a model",
-                              description="Answer one prompt with a model and print the answer.")
-    run.add_argument("model", help="a catalog name (e.g. smollm2-135m) or a path to a .gguf file")
-    run.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from standard input")
-    run.add_argument("--max-tokens", type=positive_int, default=512, help="most tokens to generate (512)")
-    run.add_argument("--temp", type=non_negative_float, default=0.7,
-                     help="sampling temperature; 0 is greedy (0.7)")
-    run.add_argument("--seed", type=non_negative_int, default=42, help="sampling seed (42)")
-    run.add_argument("--threads", type=positive_int, default=0, help="CPU threads (all usable cores)")
-    run.add_argument("--ctx", type=positive_int, default=4096, help="context length in tokens (4096)")
-    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    run.add_argument("--quiet", "-q", action="store_true", help="print only the answer")
-    return parser
+# --- argument types -------------------------------------------------------------------
+
+def _parse(text: str, kind: type, what: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'") from None
 
 
 def positive_int(text: str) -> int:
@@ -66,77 +58,167 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def _parse(text: str, kind: type, what: str):  # type: ignore[no-untyped-def]
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'") from None
+# --- parser ---------------------------------------------------------------------------
+
+def add_common_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """Flags accepted before and after the subcommand (after it, they must not reset what came before)."""
+    parser.add_argument("--max-tokens", type=positive_int, default=default, help="most tokens to generate (512)")
+    parser.add_argument("--temp", type=non_negative_float, default=default,
+                        help="sampling temperature; 0 is greedy (0.7)")
+    parser.add_argument("--seed", type=non_negative_int, default=default, help="sampling seed (42)")
+    parser.add_argument("--config", "-c", metavar="FILE", default=default,
+                        help="INI config file (see docs/configuration.md)")
+    parser.add_argument("--quiet", "-q", action="store_true", default=default or False,
+                        help="print only the answer")
 
 
-def configure_logging(quiet: bool) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="reame", description="CPU-first LLM inference on llama.cpp.",
+        epilog="Config mode: reame --config FILE --prompt TEXT answers with the model of the config file.")
+    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--prompt", "-p", help="config mode: complete this text (raw, no chat template)")
+    add_common_flags(parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = commands.add_parser("run", help="answer a prompt, or chat, with a model",
+                              description="Answer one prompt (or chat when none is given) with a model.")
+    run.add_argument("model", help="a catalog name (see `reame list`) or a path to a .gguf file")
+    run.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from standard input; none: chat")
+    add_common_flags(run, default=argparse.SUPPRESS)
+    run.add_argument("--threads", type=positive_int, help="CPU threads (chosen for this host)")
+    run.add_argument("--ctx", type=positive_int, help="context length in tokens (chosen for host and model)")
+    run.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type (chosen for the host)")
+    run.add_argument("--batch", type=positive_int, help="most tokens per decode call (512)")
+    run.add_argument("--system", help="a system message for the chat template")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
+
+    commands.add_parser("list", help="the model catalog and what is on disk")
+    pull = commands.add_parser("pull", help="download a catalog model without running it")
+    pull.add_argument("model", help="a catalog name")
+    return parser
+
+
+def version_text() -> str:
+    import platform
+    return f"reame {__version__} (llama.cpp {LLAMA_COMMIT}, {platform.system().lower()}-{platform.machine()})"
+
+
+def configure_logging(level: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("reame: %(message)s"))
     root = logging.getLogger("reame")
     root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING if quiet else logging.INFO)
+    root.setLevel(level)
     root.propagate = False
 
 
-def resolve_model_path(name: str) -> Path:
+# --- settings ---------------------------------------------------------------------------
+
+def load_settings(args: argparse.Namespace) -> dict[str, config.Value]:
+    flags = {
+        "generation.max_tokens": args.max_tokens, "generation.temperature": args.temp,
+        "generation.seed": args.seed,
+        "model.threads": getattr(args, "threads", None), "model.context_length": getattr(args, "ctx", None),
+        "memory.kv_cache_type": getattr(args, "kv_type", None), "model.batch": getattr(args, "batch", None),
+        "model.path": getattr(args, "model", None),
+    }
+    return config.load(args.config or os.environ.get("REAME_CONFIG") or None, flags=flags)
+
+
+def resolve_model(name: str) -> tuple[Path, catalog.ModelEntry | None]:
     """A catalog name (fetched on first use) or an existing file."""
+    if not name:
+        raise ConfigError("no model given: name one (see `reame list`) or set model.path in the config file")
     entry = catalog.resolve(name)
     if entry is not None:
-        return fetch.ensure_model(entry)
+        return fetch.ensure_model(entry), entry
     path = Path(name).expanduser()
     if path.is_file():
-        return path
+        return path, None
+    if path.exists():
+        raise ModelFileError(f"model path is not a file: {name}")
     hint = ", ".join(catalog.suggestions(name))
-    raise ConfigError(f"unknown model '{name}' and no such file; catalog names: {hint}")
+    raise ConfigError(f"unknown model '{name}' and no such file (relative paths start from the working "
+                      f"directory); catalog names: {hint}")
 
 
-def read_prompt(prompt: str | None) -> str:
-    if prompt is None:
-        raise ConfigError("no prompt given: pass it as an argument, or '-' to read it from standard input")
+def plan(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry | None) -> dict[str, autoconfig.Choice]:
+    return autoconfig.choose(
+        path, autoconfig.probe_host(), threads=values["model.threads"].value,
+        context=values["model.context_length"].value, kv_type=values["memory.kv_cache_type"].value,
+        batch=values["model.batch"].value, ubatch=values["model.ubatch"].value,
+        preferred_context=entry.default_ctx if entry else 0)
+
+
+def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice]) -> ModelSettings:
+    return ModelSettings(
+        str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
+        n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
+        kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
+        use_mlock=values["memory.use_mlock"].value)
+
+
+def sampling(values: dict[str, config.Value]) -> SamplingParams:
+    return SamplingParams(max_tokens=values["generation.max_tokens"].value,
+                          temperature=values["generation.temperature"].value,
+                          seed=values["generation.seed"].value)
+
+
+def print_config(values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice]) -> None:
+    for name, value in values.items():
+        if name in chosen:
+            continue
+        print(f"{name} = {value.value!s}  # {value.origin}")
+    for name, choice in chosen.items():
+        print(f"{name} = {choice.value!s}  # {choice.why}")
+
+
+# --- commands -----------------------------------------------------------------------------
+
+def read_prompt(prompt: str | None) -> str | None:
     if prompt == "-":
         prompt = sys.stdin.read()
-    if not prompt.strip():
+        if not prompt.strip():
+            raise ConfigError("the prompt read from standard input is empty")
+    elif prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
     return prompt
 
 
-def command_run(args: argparse.Namespace) -> int:
+def command_run(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
     prompt = read_prompt(args.prompt)
-    path = resolve_model_path(args.model)
-    log.info("loading %s", path.name)
-    settings = ModelSettings(str(path), n_ctx=args.ctx, n_threads=args.threads)
-    with LlamaBackend(settings) as backend, Engine(backend) as engine:
-        text = prompt if args.raw or not backend.has_chat_template else \
-            engine.chat_prompt([{"role": "user", "content": prompt}])
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed)
-        handle = engine.submit(GenerationRequest(text, params))
-        out = sys.stdout
-        try:
-            for event in handle:
-                if isinstance(event, TokenEvent):
-                    if event.text:
-                        out.write(event.text)
-                        out.flush()
-        except KeyboardInterrupt:
-            handle.cancel()
-            for _ in handle:
-                pass
-        finish = handle.finish
-        assert finish is not None
-        out.write(finish.text + "\n")
-        out.flush()
-        if finish.reason == "error":
-            raise ModelError(finish.message)
-        if not args.quiet:
-            print(stats_line(finish), file=sys.stderr)
+    path, entry = resolve_model(values["model.path"].value)
+    chosen = plan(values, path, entry)
+    if args.print_config:
+        print_config(values, chosen)
+        return EXIT_OK
+    params = sampling(values)
+    log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
+             chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, Engine(backend) as engine:
+        templated = backend.has_chat_template and not args.raw
+        if prompt is None:
+            conversation = Conversation(engine, params, system=args.system)
+            return repl(conversation, line_reader(), title=entry.name if entry else path.name)
+        if templated:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                [{"role": "user", "content": prompt}]
+            prompt = engine.chat_prompt(messages)
+        return answer_once(engine, prompt, params, args.quiet)
+
+
+def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool) -> int:
+    finish = stream_answer(engine, prompt, params, sys.stdout, sys.stderr)[1]
+    if finish.reason == "error":
+        raise ModelError(finish.message)
+    if not quiet:
+        print(stats_line(finish), file=sys.stderr)
     return EXIT_OK
 
 
-def stats_line(finish) -> str:  # type: ignore[no-untyped-def]
+def stats_line(finish: FinishEvent) -> str:
     usage = finish.usage
     note = f" ({finish.message})" if finish.message else ""
     return (f"prompt {usage.prompt_tokens} tokens, {usage.prompt_tokens_per_second:.1f} tok/s · "
@@ -144,15 +226,65 @@ def stats_line(finish) -> str:  # type: ignore[no-untyped-def]
             f"finish {finish.reason}{note}")
 
 
+def command_config_mode(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
+    if args.prompt is None:
+        log.info("nothing to do: pass --prompt TEXT")
+        return EXIT_OK
+    path, entry = resolve_model(values["model.path"].value)
+    chosen = plan(values, path, entry)
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, Engine(backend) as engine:
+        return answer_once(engine, args.prompt, sampling(values), args.quiet)
+
+
+def command_list() -> int:
+    directory = fetch.models_dir()
+    print(f"Catalog (reame run NAME); models live in {directory}\n")
+    for entry in catalog.CATALOG:
+        path = directory / entry.filename
+        if not path.exists():
+            state = "not downloaded"
+        else:
+            state = f"on disk, {path.stat().st_size / 2**20:.0f} MiB, " + \
+                ("verified" if fetch.is_verified(path, entry) else "NOT verified (checksum mismatch)")
+        print(f"  {entry.name:<20} {entry.description}")
+        print(f"  {'':<20} use: {entry.use} · license: {entry.license} · {state}")
+    others = sorted(p for p in directory.glob("*.gguf") if p.name not in {e.filename for e in catalog.CATALOG}) \
+        if directory.is_dir() else []
+    if others:
+        print("\nOther models on disk:")
+        for path in others:
+            print(f"  {path}")
+    print("\nOr: reame run /path/to/your-model.gguf")
+    return EXIT_OK
+
+
+def command_pull(args: argparse.Namespace) -> int:
+    entry = catalog.resolve(args.model)
+    if entry is None:
+        raise ConfigError(f"unknown model '{args.model}'; catalog names: {', '.join(catalog.suggestions(args.model))}")
+    print(fetch.ensure_model(entry))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
+    quiet = getattr(args, "quiet", False)
+    configure_logging(logging.WARNING if quiet else logging.INFO)
+    try:
+        if args.command == "list":
+            return command_list()
+        if args.command == "pull":
+            return command_pull(args)
+        values = load_settings(args) if args.command == "run" or args.config else None
+        if values is not None and not quiet:
+            configure_logging(LOG_LEVELS[values["logging.level"].value])
+        if args.command == "run":
+            return command_run(args, values)
+        if args.config:
+            return command_config_mode(args, values)
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    configure_logging(getattr(args, "quiet", False))
-    try:
-        return command_run(args)
     except USER_ERRORS as error:
         print(f"reame: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -36,7 +36,7 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None) -> Path:
     """Path of the verified model file, fetching it from the first source that works."""
     directory = directory or models_dir()
     target = directory / entry.filename
-    if target.exists() and _is_verified(target, entry):
+    if target.exists() and is_verified(target, entry):
         return target
     directory.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
@@ -52,7 +52,7 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None) -> Path:
                      f"(sha256 {entry.sources[0].sha256}) and run again")
 
 
-def _is_verified(path: Path, entry: ModelEntry) -> bool:
+def is_verified(path: Path, entry: ModelEntry) -> bool:
     """True when `path` hashes to one of the entry's sums (remembered per size and mtime)."""
     stat = path.stat()
     stamp = path.with_name(path.name + ".verified")

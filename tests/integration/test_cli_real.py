@@ -34,3 +34,30 @@ def test_raw_mode_skips_the_chat_template(native_libraries, smollm2_path):
     raw = reame("run", str(smollm2_path), "The sky is", "--temp", "0", "--max-tokens", "8", "-q", "--raw")
     assert templated.returncode == raw.returncode == 0
     assert templated.stdout != raw.stdout
+
+
+def test_chat_from_a_pipe_keeps_the_conversation(native_libraries, smollm2_path):
+    result = reame("run", str(smollm2_path), "--temp", "0", "--max-tokens", "24",
+                   stdin="My name is Ada.\n/help\nWhat is my name?\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    answers = result.stdout.strip().split("\n")
+    assert len(answers) == 2, answers  # one line per answer; prompts and help stay out of stdout
+    assert "/reset" in result.stderr
+    alone = reame("run", str(smollm2_path), "What is my name?", "--temp", "0", "--max-tokens", "24", "-q")
+    assert alone.stdout.strip() != answers[1]  # the second answer saw the first exchange
+
+
+def test_print_config_shows_every_choice_and_why(native_libraries, smollm2_path):
+    result = reame("run", str(smollm2_path), "--print-config", "--ctx", "1024")
+    assert result.returncode == 0
+    assert "model.context_length = 1024  # set explicitly" in result.stdout
+    assert "model.threads = " in result.stdout and "memory.kv_cache_type = f16" in result.stdout
+
+
+def test_config_mode_completes_raw_text(native_libraries, smollm2_path, tmp_path):
+    conf = tmp_path / "reame.conf"
+    conf.write_text(f"[model]\npath = {smollm2_path}  # the test model\ncontext_length = 1024\n"
+                    "[generation]\ntemperature = 0\nmax_tokens = 8\n")
+    result = reame("--config", str(conf), "--prompt", "The capital of France is", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout

@@ -52,9 +52,39 @@ def test_a_directory_is_not_a_model(tmp_path, capsys):
     assert code == 2
 
 
-def test_missing_or_empty_prompt_is_a_usage_error(tmp_path, capsys, monkeypatch):
-    code, _, err = run(["run", "smollm2", "--quiet"], capsys)
-    assert code == 2 and "no prompt" in err
+def test_empty_prompt_is_a_usage_error(capsys, monkeypatch):
+    code, _, err = run(["run", "smollm2", "  "], capsys)
+    assert code == 2 and "empty" in err
     monkeypatch.setattr("sys.stdin", io.StringIO("   \n"))
     code, _, err = run(["run", "smollm2", "-"], capsys)
     assert code == 2 and "empty" in err
+
+
+def test_unknown_pull_name_is_a_usage_error(capsys):
+    code, out, err = run(["pull", "nonexistent-model"], capsys)
+    assert code == 2 and "unknown model" in err and out == ""
+
+
+def test_bad_config_file_is_one_line_with_file_and_line(tmp_path, capsys):
+    path = tmp_path / "reame.conf"
+    path.write_text("[model]\nthreds = 2\n")
+    code, _, err = run(["--config", str(path), "--prompt", "hi"], capsys)
+    assert code == 2 and f"{path}:2" in err and "did you mean 'model.threads'" in err
+    code, _, err = run(["run", "smollm2", "hi", "--config", str(tmp_path / "missing.conf")], capsys)
+    assert code == 2 and "not found" in err
+
+
+def test_config_mode_without_a_prompt_has_nothing_to_do(tmp_path, capsys):
+    path = tmp_path / "reame.conf"
+    path.write_text("[model]\npath = smollm2\n")
+    code, out, err = run(["--config", str(path)], capsys)
+    assert code == 0 and out == "" and "nothing to do" in err
+
+
+def test_list_shows_the_catalog_and_what_is_on_disk(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("REAME_HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.gguf").write_bytes(b"GGUF")
+    code, out, _ = run(["list"], capsys)
+    assert code == 0
+    assert "smollm2-135m" in out and "not downloaded" in out and str(tmp_path / "models" / "mine.gguf") in out
