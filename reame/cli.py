@@ -133,7 +133,7 @@ def resolve_model(name: str) -> tuple[Path, catalog.ModelEntry | None]:
         raise ConfigError("no model given: name one (see `reame list`) or set model.path in the config file")
     entry = catalog.resolve(name)
     if entry is not None:
-        return fetch.ensure_model(entry), entry
+        return fetch.ensure_model(entry, progress=progress_stream()), entry
     path = Path(name).expanduser()
     if path.is_file():
         return path, None
@@ -262,8 +262,14 @@ def command_pull(args: argparse.Namespace) -> int:
     entry = catalog.resolve(args.model)
     if entry is None:
         raise ConfigError(f"unknown model '{args.model}'; catalog names: {', '.join(catalog.suggestions(args.model))}")
-    print(fetch.ensure_model(entry))
+    print(fetch.ensure_model(entry, progress=progress_stream()))
     return EXIT_OK
+
+
+def progress_stream():  # type: ignore[no-untyped-def]
+    """stderr for a download progress bar when it is a terminal and logs are on; else None."""
+    quiet = logging.getLogger("reame").level > logging.INFO
+    return sys.stderr if sys.stderr.isatty() and not quiet else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

