@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Fetch, build and cache the pinned llama.cpp shared libraries.
+"""Build dist/reame.pyz, and fetch, build and cache the pinned llama.cpp libraries.
 
-    python build_zipapp.py --lib            build (or find) libllama for this host
-    python build_zipapp.py --lib --portable  baseline CPU build (no -march=native)
-    python build_zipapp.py --bench-tools    also build llama-bench / llama-server
+    python build_zipapp.py                   dist/reame.pyz with a portable libllama inside
+    python build_zipapp.py --native          … with this machine's native build instead
+    python build_zipapp.py --lib             only build (or find) libllama for this host
+    python build_zipapp.py --lib --portable  only the portable build (a CPU variant per ISA level)
+    python build_zipapp.py --bench-tools     llama-bench / llama-server, for bench/ only
 
 The pin is llama.cpp as vendored in one exact `llama-cpp-python` sdist, fetched
 with `pip download` (so the user's pip configuration and mirrors apply) and
@@ -20,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -27,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipapp
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -250,6 +254,47 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
     staging.rename(target_dir)
 
 
+def build_pyz(library_dir: Path, output: Path) -> Path:
+    """Pack the reame package, the shared libraries and the zstandard extension into one file."""
+    try:
+        import zstandard
+    except ImportError:
+        raise BuildError("the zstandard module is missing: pip install zstandard") from None
+    staging = Path(tempfile.mkdtemp(prefix="reame-pyz-"))
+    try:
+        shutil.copytree(ROOT / "reame", staging / "reame", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (staging / "__main__.py").write_text(
+            "import runpy\nrunpy.run_module('reame', run_name='__main__', alter_sys=True)\n")
+        bundle = staging / "reame_native"
+        shutil.copytree(library_dir / "lib", bundle / "lib")
+        shutil.copytree(Path(zstandard.__file__).parent, bundle / "python" / "zstandard",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        digest = hashlib.sha256()
+        for path in sorted(bundle.rglob("*")):
+            if path.is_file():
+                digest.update(str(path.relative_to(bundle)).encode() + b"\0" + path.read_bytes())
+        build_manifest = json.loads((library_dir / "manifest.json").read_text())
+        manifest = {
+            "sha256": digest.hexdigest(),
+            "llama_commit": LLAMA_COMMIT,
+            "platform": f"{platform.system().lower()}-{platform.machine()}",
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "portable": bool(build_manifest.get("portable")),
+            "cpu_variants": [name.removeprefix("libggml-cpu-").removesuffix(".so")
+                             for name in build_manifest.get("libraries", {}).get("cpu_variants", [])],
+        }
+        (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(output.name + ".part")
+        zipapp.create_archive(staging, partial, interpreter="/usr/bin/env python3", compressed=True)
+        os.replace(partial, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    flavour = "portable (" + ", ".join(manifest["cpu_variants"]) + ")" if manifest["portable"] else "native"
+    say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {flavour} libllama)")
+    return output
+
+
 def _ensure(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -257,7 +302,10 @@ def _ensure(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lib", action="store_true", help="build or find the shared libraries")
+    parser.add_argument("--lib", action="store_true", help="only build or find the shared libraries")
+    parser.add_argument("--native", action="store_true",
+                        help="pack this machine's native build into the .pyz instead of the portable one")
+    parser.add_argument("--output", type=Path, default=ROOT / "dist" / "reame.pyz", help="where the .pyz goes")
     parser.add_argument("--portable", action="store_true",
                         help="build for a baseline CPU instead of this machine (-march=native)")
     parser.add_argument("--bench-tools", action="store_true",
@@ -266,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-dir", action="store_true",
                         help="print the build directory on stdout (for scripts)")
     args = parser.parse_args(argv)
-    if not (args.lib or args.bench_tools):
-        parser.error("nothing to do: pass --lib (the zipapp itself is not built yet)")
     try:
+        if not (args.lib or args.bench_tools):
+            build_pyz(build(not args.native, False, args.jobs), args.output)
+            return 0
         directory = build(args.portable, args.bench_tools, args.jobs)
     except BuildError as error:
         print(f"build failed: {error}", file=sys.stderr)

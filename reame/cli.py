@@ -75,8 +75,9 @@ def add_common_flags(parser: argparse.ArgumentParser, default: Any = None) -> No
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reame", description="CPU-first LLM inference on llama.cpp.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config mode: reame --config FILE --prompt TEXT answers with the model of the config file.")
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--version", action=VersionAction, nargs=0, help="version, llama.cpp pin, build in use")
     parser.add_argument("--prompt", "-p", help="config mode: complete this text (raw, no chat template)")
     add_common_flags(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -100,9 +101,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class VersionAction(argparse.Action):
+    """--version, computed only when asked (it looks for the native library)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        print(version_text())
+        parser.exit()
+
+
 def version_text() -> str:
+    """Version, pin, platform, which libllama build is in use, and whether zstandard is there."""
+    import json
     import platform
-    return f"reame {__version__} (llama.cpp {LLAMA_COMMIT}, {platform.system().lower()}-{platform.machine()})"
+
+    from reame import native
+    manifest = native.bundle_manifest()
+    if manifest is not None:
+        where = "bundled in this .pyz"
+    else:
+        try:
+            located = native.locate()
+            manifest = json.loads((located.lib_dir.parent / "manifest.json").read_text())
+            where = str(located.lib_dir)
+        except (ReameError, OSError, ValueError):
+            manifest, where = None, ""
+    if manifest is None:
+        build = "libllama: not built (python build_zipapp.py --lib)"
+    elif manifest.get("portable"):
+        variants = manifest.get("cpu_variants") or [
+            name.removeprefix("libggml-cpu-").removesuffix(".so")
+            for name in manifest.get("libraries", {}).get("cpu_variants", [])]
+        build = f"libllama: portable build, CPU variant chosen at run time from {', '.join(variants)} ({where})"
+    else:
+        build = f"libllama: native build for the CPU it was built on ({where})"
+    try:
+        import zstandard
+        zstd = f"zstandard {zstandard.__version__}"
+    except ImportError:
+        zstd = "zstandard missing"
+    return (f"reame {__version__} (llama.cpp {LLAMA_COMMIT}, {platform.system().lower()}-{platform.machine()}, "
+            f"Python {platform.python_version()})\n{build}\n{zstd}")
 
 
 def configure_logging(level: int) -> None:

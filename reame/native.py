@@ -7,8 +7,14 @@ and the binding (which loads) agree on where a build for this machine sits.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
+import shutil
+import sys
+import tempfile
+import zipfile
+import zipimport
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +24,7 @@ LLAMA_COMMIT = "0c1e57098"
 # Shared libraries of one build, in the order they must be loaded.
 LIBRARY_STEMS = ("ggml-base", "ggml-cpu", "ggml", "llama")
 BUILD_HINT = "build it with: python build_zipapp.py --lib (or set REAME_LIBLLAMA=/path/to/libllama.so)"
+BUNDLE_DIR = "reame_native"  # inside dist/reame.pyz: lib/, python/ and manifest.json
 
 
 def cache_root() -> Path:
@@ -56,12 +63,71 @@ class NativeLibraries:
     lib_dir: Path
     include_dir: Path | None
 
+    @property
+    def cpu_variants(self) -> list[Path]:
+        """CPU backend libraries of a portable build (one per instruction-set level), if any."""
+        return sorted(self.lib_dir.glob("libggml-cpu-*.so"))
+
     def path_of(self, stem: str) -> Path | None:
         for suffix in (".so", ".dylib"):
             candidate = self.lib_dir / f"lib{stem}{suffix}"
             if candidate.exists():
                 return candidate
         return None
+
+
+def running_archive() -> Path | None:
+    """The .pyz this package runs from, or None when it runs from plain files."""
+    loader = globals().get("__loader__")
+    return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
+
+
+def bundle_manifest() -> dict | None:
+    archive = running_archive()
+    if archive is None:
+        return None
+    with zipfile.ZipFile(archive) as bundle:
+        try:
+            return json.loads(bundle.read(f"{BUNDLE_DIR}/manifest.json"))
+        except KeyError:
+            return None
+
+
+def activate_bundle() -> Path | None:
+    """Extract the .pyz's native parts once to ~/.cache/reame/lib/<sha256>/ and put its Python
+    extensions (zstandard) on sys.path. Safe when two first runs race: each extracts to its own
+    temporary directory and the first rename wins. Returns the directory, or None outside a .pyz."""
+    manifest = bundle_manifest()
+    if manifest is None:
+        return None
+    archive = running_archive()
+    assert archive is not None
+    target = cache_root() / "lib" / manifest["sha256"]
+    if not (target / "manifest.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+        try:
+            prefix = BUNDLE_DIR + "/"
+            with zipfile.ZipFile(archive) as bundle:
+                for member in bundle.infolist():
+                    if not member.filename.startswith(prefix) or member.is_dir():
+                        continue
+                    destination = staging / member.filename[len(prefix):]
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    with bundle.open(member) as source, destination.open("wb") as out:
+                        shutil.copyfileobj(source, out)
+                    destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
+            staging.chmod(0o755)
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "manifest.json").exists():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    python_dir = str(target / "python")
+    if python_dir not in sys.path:
+        sys.path.insert(0, python_dir)
+    return target
 
 
 def locate() -> NativeLibraries:
@@ -75,6 +141,9 @@ def locate() -> NativeLibraries:
             include = lib_dir.parent / "include"
             return NativeLibraries(lib_dir, include if include.is_dir() else None)
         raise ModelError(f"REAME_LIBLLAMA={override} does not point at libllama.so; {BUILD_HINT}")
+    bundled = activate_bundle()
+    if bundled is not None:
+        return NativeLibraries(bundled / "lib", None)
     for candidate in (build_dir(portable=False), build_dir(portable=True)):
         looked.append(str(candidate / "lib"))
         if (candidate / "manifest.json").exists():

@@ -28,6 +28,8 @@ def load_libraries() -> ctypes.CDLL:
     handle = None
     for stem in native.LIBRARY_STEMS:
         path = libraries.path_of(stem)
+        if path is None and stem == "ggml-cpu" and libraries.cpu_variants:
+            continue  # a portable build: ggml picks a CPU variant at run time (see backend init)
         if path is None:
             raise ModelError(f"lib{stem} missing in {libraries.lib_dir}; {native.BUILD_HINT}")
         try:

@@ -332,6 +332,10 @@ _declare("llama_print_system_info", [], c_char_p)
 # LLAMA_API void llama_log_set(ggml_log_callback log_callback, void * user_data);
 _declare("llama_log_set", [ggml_log_callback, c_void_p], None)
 
+# From ggml-backend.h: a portable build registers its best CPU variant library this way.
+# GGML_API void ggml_backend_load_all_from_path(const char * dir_path);
+_declare("ggml_backend_load_all_from_path", [c_char_p], None)
+
 # --- Performance utils ---
 # LLAMA_API struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 _declare("llama_perf_context", [llama_context_p], llama_perf_context_data)

@@ -176,9 +176,12 @@ def _init_native() -> None:
     with _init_lock:
         if _backend_ready:
             return
-        from reame.ctypes_llama import api
+        from reame.ctypes_llama import _lib, api
         from reame.ctypes_llama import types as t
         api.load()
+        libraries = _lib.loaded_libraries()
+        if libraries is not None and libraries.cpu_variants:
+            api.ggml_backend_load_all_from_path(os.fsencode(libraries.lib_dir))
         if os.environ.get("REAME_LLAMA_VERBOSE"):
             _llama_log.setLevel(logging.DEBUG)
         elif _llama_log.level == logging.NOTSET:
