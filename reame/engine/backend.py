@@ -179,15 +179,15 @@ def _init_native() -> None:
         from reame.ctypes_llama import _lib, api
         from reame.ctypes_llama import types as t
         api.load()
-        libraries = _lib.loaded_libraries()
-        if libraries is not None and libraries.cpu_variants:
-            api.ggml_backend_load_all_from_path(os.fsencode(libraries.lib_dir))
         if os.environ.get("REAME_LLAMA_VERBOSE"):
             _llama_log.setLevel(logging.DEBUG)
         elif _llama_log.level == logging.NOTSET:
             _llama_log.setLevel(logging.ERROR)
         _log_callback = t.ggml_log_callback(_on_llama_log)
         api.llama_log_set(_log_callback, None)
+        libraries = _lib.loaded_libraries()
+        if libraries is not None and libraries.cpu_variants:
+            api.ggml_backend_load_all_from_path(os.fsencode(libraries.lib_dir))
         api.llama_backend_init()
         _backend_ready = True
 
