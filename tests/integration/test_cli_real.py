@@ -8,8 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reame(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def reame(*args, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "reame", *args], capture_output=True, text=True,
                           input=stdin, env=env, timeout=300)
 
@@ -61,3 +61,16 @@ def test_config_mode_completes_raw_text(native_libraries, smollm2_path, tmp_path
     result = reame("--config", str(conf), "--prompt", "The capital of France is", "-q")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_pull_list_and_run_from_a_clean_home(native_libraries, smollm2_path, tmp_path):
+    from reame.native import cache_root
+    env = {"HOME": str(tmp_path), "REAME_CACHE": str(cache_root())}  # reuse fetched wheels: no network
+    pulled = reame("pull", "smollm2-135m", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    path = Path(pulled.stdout.strip())
+    assert path == tmp_path / ".reame" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf" and path.exists()
+    listed = reame("list", env=env)
+    assert "verified" in listed.stdout and "not downloaded" in listed.stdout  # smollm2 yes, the others no
+    answered = reame("run", "smol", "Say hello.", "--temp", "0", "--max-tokens", "8", "-q", env=env)
+    assert answered.returncode == 0 and answered.stdout.strip()
