@@ -20,6 +20,7 @@ from reame.engine import Engine, FinishEvent, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
+from reame.server.http import ServerSettings
 
 log = logging.getLogger("reame")
 
@@ -72,6 +73,17 @@ def add_common_flags(parser: argparse.ArgumentParser, default: Any = None) -> No
                         help="print only the answer")
 
 
+def add_server_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    parser.add_argument("--serve", "-s", action="store_true", default=default or False,
+                        help="serve the OpenAI-compatible API instead of answering")
+    parser.add_argument("--host", default=default, help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=non_negative_int, default=default, help="TCP port (8080)")
+    parser.add_argument("--api-key", action="append", default=default,
+                        help="bearer key clients must send (repeatable)")
+    parser.add_argument("--parallel", type=positive_int, default=default,
+                        help="sequences generated together (1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reame", description="CPU-first LLM inference on llama.cpp.",
@@ -80,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=VersionAction, nargs=0, help="version, llama.cpp pin, build in use")
     parser.add_argument("--prompt", "-p", help="config mode: complete this text (raw, no chat template)")
     add_common_flags(parser)
+    add_server_flags(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = commands.add_parser("run", help="answer a prompt, or chat, with a model",
@@ -94,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", help="a system message for the chat template")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
+    add_server_flags(run, default=argparse.SUPPRESS)
 
     commands.add_parser("list", help="the model catalog and what is on disk")
     pull = commands.add_parser("pull", help="download a catalog model without running it")
@@ -161,6 +175,8 @@ def load_settings(args: argparse.Namespace) -> dict[str, config.Value]:
         "model.threads": getattr(args, "threads", None), "model.context_length": getattr(args, "ctx", None),
         "memory.kv_cache_type": getattr(args, "kv_type", None), "model.batch": getattr(args, "batch", None),
         "model.path": getattr(args, "model", None),
+        "server.host": args.host, "server.port": args.port,
+        "server.api_key": ",".join(args.api_key) if args.api_key else None, "server.parallel": args.parallel,
     }
     return config.load(args.config or os.environ.get("REAME_CONFIG") or None, flags=flags)
 
@@ -190,9 +206,11 @@ def plan(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry 
         preferred_context=entry.default_ctx if entry else 0)
 
 
-def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice]) -> ModelSettings:
+def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice],
+                   n_seq: int = 1) -> ModelSettings:
     return ModelSettings(
         str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
+        n_seq_max=n_seq,
         n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
         kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
         use_mlock=values["memory.use_mlock"].value)
@@ -232,6 +250,8 @@ def command_run(args: argparse.Namespace, values: dict[str, config.Value]) -> in
     if args.print_config:
         print_config(values, chosen)
         return EXIT_OK
+    if args.serve:
+        return serve_model(values, path, entry, chosen)
     params = sampling(values)
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
@@ -264,12 +284,45 @@ def stats_line(finish: FinishEvent) -> str:
             f"finish {finish.reason}{note}")
 
 
+def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry | None,
+                chosen: dict[str, autoconfig.Choice]) -> int:
+    from reame.server.serve import serve
+    settings = server_settings(values, entry.name if entry else path.stem)
+    n_seq = values["server.parallel"].value
+
+    def load_engine() -> Engine:
+        return Engine(LlamaBackend(model_settings(path, values, chosen, n_seq))).start()
+
+    return serve(settings, load_engine, path.name)
+
+
+def server_settings(values: dict[str, config.Value], default_model_id: str) -> ServerSettings:
+    keys = [key.strip() for key in values["server.api_key"].value.split(",") if key.strip()]
+    key_file = values["server.api_key_file"].value
+    if key_file:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read server.api_key_file {key_file}: {error}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return ServerSettings(
+        host=values["server.host"].value, port=values["server.port"].value, api_keys=tuple(keys),
+        cors_origin=values["server.cors_origin"].value, max_connections=values["server.max_connections"].value,
+        max_body_bytes=int(values["server.max_request_size_mb"].value * 2**20),
+        idle_timeout_s=values["server.idle_timeout_seconds"].value,
+        grace_s=values["server.shutdown_grace_seconds"].value,
+        model_id=values["server.model_id"].value or default_model_id,
+        request_log=values["server.request_logging"].value)
+
+
 def command_config_mode(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
-    if args.prompt is None:
-        log.info("nothing to do: pass --prompt TEXT")
+    if args.prompt is None and not args.serve:
+        log.info("nothing to do: pass --prompt TEXT or --serve")
         return EXIT_OK
     path, entry = resolve_model(values["model.path"].value)
     chosen = plan(values, path, entry)
+    if args.serve:
+        return serve_model(values, path, entry, chosen)
     with LlamaBackend(model_settings(path, values, chosen)) as backend, Engine(backend) as engine:
         return answer_once(engine, args.prompt, sampling(values), args.quiet)
 

@@ -175,11 +175,14 @@ Event = Union[TokenEvent, FinishEvent]
 class Handle:
     """The caller's end of one generation. Iterate it for events; `cancel()` from anywhere."""
 
-    def __init__(self, request: GenerationRequest, prompt_tokens: list[int]) -> None:
+    def __init__(self, request: GenerationRequest, prompt_tokens: list[int],
+                 sink: "queue.SimpleQueue[tuple[int, Event]] | None" = None, tag: int = 0) -> None:
         self.request = request
         self.prompt_tokens = prompt_tokens
         self.cancelled = False
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._sink = sink
+        self.tag = tag
         self.finish: FinishEvent | None = None
 
     def cancel(self) -> None:
@@ -187,7 +190,13 @@ class Handle:
         self.cancelled = True
 
     def _put(self, event: Event) -> None:  # engine thread only
-        self._events.put(event)
+        if self._sink is not None:
+            # Several handles share one sink, tagged, so one reader can follow them all (n > 1).
+            if isinstance(event, FinishEvent):
+                self.finish = event
+            self._sink.put((self.tag, event))
+        else:
+            self._events.put(event)
 
     def events(self, timeout_s: float | None = None) -> Iterator[Event]:
         """Yield events until (and including) the FinishEvent."""

@@ -91,8 +91,11 @@ class Engine:
             self._thread.start()
         return self
 
-    def submit(self, request: GenerationRequest) -> Handle:
-        """Validate and queue a request; RequestError before any work if it cannot run."""
+    def submit(self, request: GenerationRequest, sink: "queue.SimpleQueue | None" = None, tag: int = 0) -> Handle:
+        """Validate and queue a request; RequestError before any work if it cannot run.
+
+        With `sink`, events arrive there as `(tag, event)` instead of on the handle.
+        """
         if self._closing:
             raise RequestError("the engine is shutting down")
         tokens = self.prompt_tokens(request)
@@ -107,9 +110,13 @@ class Engine:
         for token in request.params.logit_bias:
             if token >= self.backend.n_vocab:
                 raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
-        handle = Handle(request, tokens)
+        handle = Handle(request, tokens, sink, tag)
         self._inbox.put(handle)
         return handle
+
+    def load(self) -> tuple[int, int]:
+        """(requests waiting, sequences running): a snapshot for metrics, read from any thread."""
+        return len(self._waiting) + self._inbox.qsize(), len(self._active)
 
     def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Completion:
         """Submit and wait for the whole result."""

@@ -1,0 +1,248 @@
+"""HTTP transport: a bounded ThreadingHTTPServer, keep-alive, limits, auth, CORS, SSE.
+
+One thread per connection, at most `max_connections` at once (the next gets a
+503 and is closed). HTTP/1.1 keep-alive with exact Content-Length on every
+response; a connection idle for `idle_timeout_s` (or a client that sends its
+request too slowly) is closed. Request bodies must carry Content-Length and
+stay under the size limit; Transfer-Encoding bodies are refused. SSE responses
+end the connection. Routing and the OpenAI logic live in openai_api.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import select
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger("reame.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()
+    cors_origin: str = ""  # "" = CORS off; "*" or an origin to allow
+    max_connections: int = 64
+    max_body_bytes: int = 10 << 20
+    idle_timeout_s: float = 30.0
+    model_id: str = "reame"
+    grace_s: float = 30.0
+    request_log: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class HttpError(Exception):
+    """An error to answer in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "reame"
+    sys_version = ""
+    server: "ReameHTTPServer"
+
+    def setup(self) -> None:
+        self.timeout = self.server.settings.idle_timeout_s
+        super().setup()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.server.app.dispatch(self)
+
+    do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_GET
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        if not self.server.settings.cors_origin:
+            self.server.app.dispatch(self)
+            return
+        self.send_response(204)
+        self.send_cors_headers()
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (bad request line, headers too long…) in OpenAI's JSON shape."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"  # never answer without a status line
+        self.close_connection = True
+        reason = message or self.responses.get(code, ("error",))[0]
+        self.send_json(code, HttpError(code, reason, code="bad_request").body())
+
+    # --- reading ---
+
+    def read_json(self) -> Any:
+        """The request body as JSON; HttpError for anything we will not read."""
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise HttpError(411, "Transfer-Encoding request bodies are not supported; send Content-Length",
+                            code="length_required")
+        raw_length = self.headers.get("Content-Length")
+        if raw_length is None:
+            raise HttpError(411, "a JSON body with Content-Length is required", code="length_required")
+        try:
+            length = int(raw_length)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise HttpError(400, f"invalid Content-Length: {raw_length!r}", code="bad_request") from None
+        if length > self.server.settings.max_body_bytes:
+            self.close_connection = True
+            raise HttpError(413, f"request body of {length} bytes exceeds the limit of "
+                            f"{self.server.settings.max_body_bytes}", code="payload_too_large")
+        try:
+            data = self.rfile.read(length)
+        except (socket.timeout, OSError):
+            self.close_connection = True
+            raise HttpError(408, "the request body did not arrive in time", code="timeout") from None
+        if len(data) != length:
+            self.close_connection = True
+            raise HttpError(400, "the request body is shorter than its Content-Length", code="bad_request")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise HttpError(400, "the request body is not valid JSON", code="invalid_json") from None
+
+    def authorized(self) -> bool:
+        keys = self.server.settings.api_keys
+        if not keys:
+            return True
+        header = self.headers.get("Authorization", "")
+        token = header[7:] if header.startswith("Bearer ") else ""
+        # Compare with every key, so the time taken does not tell which one matched.
+        results = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+        return any(results)
+
+    # --- writing ---
+
+    def send_cors_headers(self) -> None:
+        origin = self.server.settings.cors_origin
+        if origin:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+
+    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_cors_headers()
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self.server.app.count_response(status)
+
+    def send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        self.send_body(status, body, "application/json", headers)
+
+    def send_error_json(self, error: HttpError) -> None:
+        self.send_json(error.status, error.body(), error.headers)
+
+    def start_sse(self) -> None:
+        self.close_connection = True  # an event stream has no length: it ends with the connection
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.send_cors_headers()
+        self.end_headers()
+        self.server.app.count_response(200)
+
+    def send_event(self, payload: Any) -> None:
+        """One SSE frame; raises OSError when the client has gone."""
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                                   separators=(",", ":"))
+        self.wfile.write(b"data: " + data.encode("utf-8") + b"\n\n")
+        self.wfile.flush()
+
+    def client_gone(self) -> bool:
+        """True when the client closed its end (checked while a non-streamed answer is computed)."""
+        if self.server.stopping:
+            return False  # our own shutdown(SHUT_RD) looks like a close: let the answer finish
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if not readable:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        if self.server.settings.request_log:
+            log.info("%s %s", self.address_string(), format % args)
+
+
+class ReameHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, settings: ServerSettings, app: Any) -> None:
+        self.settings = settings
+        self.app = app
+        self._slots = threading.BoundedSemaphore(settings.max_connections)
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._connections: set[socket.socket] = set()
+        self.stopping = False
+        super().__init__((settings.host, settings.port), Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps(HttpError(503, "too many connections, retry later", "server_error",
+                                        "overloaded").body()).encode()
+            head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            try:
+                request.sendall(head + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._busy += 1
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+            with self._lock:
+                self._busy -= 1
+                self._connections.discard(request)
+                self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Graceful stop, after `shutdown()`: idle keep-alive connections are closed, requests in
+        flight get up to `timeout_s` to finish. False if some were still running then."""
+        self.stopping = True
+        with self._lock:
+            for connection in list(self._connections):
+                try:  # wakes a thread waiting for the next request; a running one writes on
+                    connection.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)

@@ -1,0 +1,52 @@
+"""Counters and gauges, rendered in the Prometheus text exposition format."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Callable
+
+
+class Metrics:
+    """Thread-safe counters; gauges are read through callbacks when /metrics is rendered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+        self._help: dict[str, tuple[str, str]] = {}
+        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+
+    def describe(self, name: str, kind: str, text: str) -> None:
+        self._help[name] = (kind, text)
+
+    def add(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] += value
+
+    def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
+        self._gauges[name] = (text, read)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            counters = sorted(self._counters.items())
+        seen: set[str] = set()
+        for (name, labels), value in counters:
+            if name not in seen:
+                seen.add(name)
+                kind, text = self._help.get(name, ("counter", name))
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+            lines.append(f"{name}{{{label_text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
+        for name, (text, read) in sorted(self._gauges.items()):
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {_number(read())}"]
+        return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

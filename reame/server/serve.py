@@ -1,0 +1,53 @@
+"""Run the HTTP server: listen first, load the model, serve until SIGINT/SIGTERM, drain, exit 0.
+
+The socket is open while the model loads, so `/health` answers 503 "loading"
+until the engine is ready. On a signal the server stops accepting, lets
+requests in flight finish within the grace period, then closes the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Callable
+
+from reame.engine import Engine
+from reame.server.http import ReameHTTPServer, ServerSettings
+from reame.server.openai_api import App
+
+log = logging.getLogger("reame.server")
+
+
+def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str) -> int:
+    """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end."""
+    app = App(settings)
+    server = ReameHTTPServer(settings, app)
+    host, port = server.server_address[:2]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    listener = threading.Thread(target=server.serve_forever, name="reame-http", daemon=True)
+    listener.start()
+    auth = f"bearer auth on ({len(settings.api_keys)} key{'s' * (len(settings.api_keys) != 1)})" \
+        if settings.api_keys else "no auth"
+    cors = f"CORS {settings.cors_origin}" if settings.cors_origin else "CORS off"
+    log.info("serving %s as '%s' on http://%s:%s (%s, %s); loading the model…", model_name, settings.model_id,
+             host, port, auth, cors)
+    engine = None
+    try:
+        engine = load_engine()
+        app.engine = engine
+        log.info("ready (Ctrl-C to stop)")
+        stop.wait()
+    finally:
+        log.info("shutting down: no new requests, %g s for those in flight", settings.grace_s)
+        server.shutdown()
+        if not server.drain(settings.grace_s):
+            log.warning("requests still running after the grace period are cancelled")
+        if engine is not None:
+            engine.close()
+            engine.backend.close()
+        server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,360 @@
+"""The HTTP server on FakeBackend: routing, validation, OpenAI shapes, SSE, auth, limits, disconnects."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine.fake import N_VOCAB, FakeBackend
+from reame.server.http import ReameHTTPServer, ServerSettings
+from reame.server.openai_api import App
+
+
+class Live:
+    def __init__(self, engine: Engine | None, **settings) -> None:
+        self.settings = ServerSettings(port=0, request_log=False, **settings)
+        self.app = App(self.settings)
+        self.app.engine = engine
+        self.server = ReameHTTPServer(self.settings, self.app)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def request(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        connection.request(method, path, body=payload, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response, data
+
+    def json(self, method: str, path: str, body=None, headers=None):
+        response, data = self.request(method, path, body, headers)
+        return response.status, json.loads(data) if data else None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine():
+    with Engine(FakeBackend(n_ctx=1024, n_seq_max=4)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def live(engine):
+    server = Live(engine)
+    yield server
+    server.close()
+
+
+def test_health_models_and_unknown_routes(live):
+    assert live.json("GET", "/health") == (200, {"status": "ok"})
+    status, body = live.json("GET", "/v1/models")
+    assert status == 200 and body["data"][0]["id"] == "reame" and body["object"] == "list"
+    assert live.json("GET", "/v1/models/reame")[0] == 200
+    assert live.json("GET", "/v1/models/other")[1]["error"]["code"] == "model_not_found"
+    status, body = live.json("GET", "/nope")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = live.json("GET", "/v1/completions")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+
+
+def test_health_is_503_while_the_model_loads():
+    server = Live(None)
+    try:
+        assert server.json("GET", "/health") == (503, {"status": "loading"})
+        assert server.json("POST", "/v1/completions", {"prompt": "x"})[0] == 503
+    finally:
+        server.close()
+
+
+def test_completion_shape_and_usage(live, engine):
+    status, body = live.json("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 5, "temperature": 0,
+                                                         "ignore_eos": True})
+    assert status == 200
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["created"] > 0
+    choice = body["choices"][0]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"} and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    alone = engine.generate(GenerationRequest("hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    assert choice["text"] == alone.text
+
+
+def test_chat_shape_with_text_parts(live):
+    status, body = live.json("POST", "/v1/chat/completions", {
+        "model": "anything", "max_completion_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]})
+    assert status == 200 and body["object"] == "chat.completion"
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert body["usage"]["completion_tokens"] <= 4
+
+
+def test_n_choices_and_prompt_lists(live):
+    status, body = live.json("POST", "/v1/completions", {"prompt": ["a", "b"], "n": 3, "max_tokens": 3,
+                                                         "temperature": 0.9, "seed": 1})
+    assert status == 200 and [c["index"] for c in body["choices"]] == list(range(6))
+    status, body = live.json("POST", "/v1/completions", {"prompt": [[256, 97, 98]], "max_tokens": 2})
+    assert status == 200 and len(body["choices"]) == 1
+
+
+def test_seeded_requests_repeat(live):
+    request = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    first = live.json("POST", "/v1/completions", request)[1]["choices"][0]["text"]
+    assert live.json("POST", "/v1/completions", request)[1]["choices"][0]["text"] == first
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": None, "top_p": "high"}, "top_p"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 1.5}, "n"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "x", "seed": "1"}, "seed"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(N_VOCAB + 5): 1}}, "logit_bias"),
+    ({"prompt": "x", "stream_options": []}, "stream_options"),
+    ({"prompt": "x", "model": 5}, "model"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, N_VOCAB]}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x" * 2000, "max_tokens": 10}, "prompt"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+])
+def test_bad_completion_fields_are_400_naming_the_field(live, body, param):
+    status, answer = live.json("POST", "/v1/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+])
+def test_bad_chat_fields_are_400_naming_the_field(live, body, param):
+    status, answer = live.json("POST", "/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"[1, 2]", b"\xff\xfe", b"null", b"1" * 10 + b"[" * 100000])
+def test_malformed_bodies_are_400_never_500(live, raw):
+    response, data = live.request("POST", "/v1/completions", raw=raw, headers={"Content-Type": "application/json"})
+    assert response.status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
+
+
+def read_sse(live, path, body):
+    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
+    connection.request("POST", path, body=json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    frames = [line[6:] for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
+    connection.close()
+    assert frames[-1] == "[DONE]"
+    return [json.loads(frame) for frame in frames[:-1]]
+
+
+def test_chat_stream_has_role_first_finish_last_and_usage(live):
+    chunks = read_sse(live, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    status, whole = live.json("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0})
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+def test_stop_strings_end_the_answer_without_leaking(live):
+    free = live.json("POST", "/v1/completions", {"prompt": "abc", "max_tokens": 30, "temperature": 0,
+                                                 "ignore_eos": True})[1]["choices"][0]["text"]
+    stop = free[5:7]
+    body = live.json("POST", "/v1/completions", {"prompt": "abc", "max_tokens": 30, "temperature": 0,
+                                                 "ignore_eos": True, "stop": [stop]})[1]
+    assert body["choices"][0]["text"] == free[:free.index(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tokenize_round_trip_and_metrics(live):
+    status, body = live.json("POST", "/tokenize", {"content": "héllo"})
+    assert status == 200
+    assert live.json("POST", "/detokenize", {"tokens": body["tokens"]}) == (200, {"content": "héllo"})
+    assert live.json("POST", "/detokenize", {"tokens": [N_VOCAB]})[0] == 400
+    live.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    response, data = live.request("GET", "/metrics")
+    text = data.decode()
+    assert response.status == 200 and "text/plain" in response.getheader("Content-Type")
+    assert 'reame_requests_total{status="200"}' in text and "reame_queue_depth 0" in text
+
+
+def test_bearer_auth_with_several_keys(engine):
+    server = Live(engine, api_keys=("k1", "k2"))
+    try:
+        assert server.json("GET", "/health")[0] == 200  # exempt
+        status, body = server.json("GET", "/v1/models")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert server.json("GET", "/v1/models", headers={"Authorization": "Bearer nope"})[0] == 401
+        assert server.json("GET", "/metrics", headers={"Authorization": "k2"})[0] == 401
+        assert server.json("GET", "/v1/models", headers={"Authorization": "Bearer k2"})[0] == 200
+    finally:
+        server.close()
+
+
+def test_cors_is_off_by_default_and_configurable(live, engine):
+    response, _ = live.request("OPTIONS", "/v1/models")
+    assert response.getheader("Access-Control-Allow-Origin") is None
+    server = Live(engine, cors_origin="*")
+    try:
+        response, _ = server.request("OPTIONS", "/v1/chat/completions")
+        assert response.status == 204 and response.getheader("Access-Control-Allow-Origin") == "*"
+        response, _ = server.request("GET", "/health")
+        assert response.getheader("Access-Control-Allow-Origin") == "*"
+    finally:
+        server.close()
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(live):
+    connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
+    for _ in range(3):
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        assert response.status == 200 and response.read() == b'{"status":"ok"}'
+    connection.close()
+
+
+def raw_exchange(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_oversized_body_is_413_without_reading_it(engine):
+    server = Live(engine, max_body_bytes=1000)
+    try:
+        reply = raw_exchange(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 413")
+    finally:
+        server.close()
+
+
+def test_chunked_bodies_are_refused_clearly(live):
+    reply = raw_exchange(live.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                    b"5\r\nhello\r\n0\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 411") and b"Content-Length" in reply
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+    b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n",
+    b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n",
+])
+def test_malformed_requests_get_an_error_and_the_server_survives(live, request_bytes):
+    reply = raw_exchange(live.port, request_bytes)
+    assert reply.startswith(b"HTTP/1.")
+    assert int(reply.split(b" ")[1]) in (400, 411, 414, 431, 501)
+    assert live.json("GET", "/health")[0] == 200
+
+
+def test_a_slow_client_is_dropped_after_the_idle_timeout(engine):
+    server = Live(engine, idle_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+            started = time.monotonic()
+            reply = sock.recv(65536)
+            assert time.monotonic() - started < 4
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 408")
+    finally:
+        server.close()
+
+
+def test_a_client_that_disconnects_cancels_its_generation(engine):
+    gate = threading.Event()
+    backend = engine.backend
+    original = backend.rule
+
+    def slow_rule(history):
+        gate.wait(0.02)
+        return original(history)
+
+    backend.rule = slow_rule
+    server = Live(engine)
+    try:
+        for stream in (False, True):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            body = json.dumps({"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": stream}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.3)
+            sock.close()
+            deadline = time.monotonic() + 5
+            while engine.load() != (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.load() == (0, 0), "the generation kept running after the client left"
+            assert all(backend.kv_tokens(seq) == [] for seq in range(4))
+    finally:
+        backend.rule = original
+        server.close()
+
+
+def test_too_many_connections_get_503(engine):
+    server = Live(engine, max_connections=1)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as first:
+            first.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            first.recv(1024)  # the first connection is open and idle (keep-alive)
+            reply = raw_exchange(server.port, b"GET /health HTTP/1.1\r\n\r\n")
+            assert reply.startswith(b"HTTP/1.1 503") and b"overloaded" in reply
+    finally:
+        server.close()
+
+
+def test_graceful_drain_lets_a_running_request_finish(engine):
+    server = Live(engine)
+    results = []
+    thread = threading.Thread(target=lambda: results.append(server.json(
+        "POST", "/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 0, "ignore_eos": True})))
+    thread.start()
+    time.sleep(0.05)
+    server.server.shutdown()
+    assert server.server.drain(10)
+    thread.join(10)
+    server.server.server_close()
+    assert results and results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 40
