@@ -126,6 +126,11 @@ def resolve(name: str) -> ModelEntry | None:
     return matches[0] if len(matches) == 1 else None
 
 
+def by_filename(filename: str) -> ModelEntry | None:
+    """The catalog entry whose file this is (a local copy of a catalog model keeps its name)."""
+    return next((entry for entry in CATALOG if entry.filename == filename), None)
+
+
 def suggestions(name: str) -> list[str]:
     """Catalog names that contain `name` or share its first letters, for error messages."""
     wanted = name.lower()

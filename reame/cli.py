@@ -190,7 +190,7 @@ def resolve_model(name: str) -> tuple[Path, catalog.ModelEntry | None]:
         return fetch.ensure_model(entry, progress=progress_stream()), entry
     path = Path(name).expanduser()
     if path.is_file():
-        return path, None
+        return path, catalog.by_filename(path.name)
     if path.exists():
         raise ModelFileError(f"model path is not a file: {name}")
     hint = ", ".join(catalog.suggestions(name))

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "integration" in Path(str(item.fspath)).parts:
+        parts = Path(str(item.fspath)).parts
+        if "integration" in parts or "compat" in parts:
             item.add_marker(pytest.mark.integration)
 
 

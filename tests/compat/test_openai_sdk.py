@@ -1,0 +1,104 @@
+"""The official `openai` SDK against a live Reame server on SmolLM2-135M."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "compat-test-key"
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(native_libraries, smollm2_path):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
+         "--parallel", "2", "--ctx", "2048", "--threads", "2"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+    base = None
+    for line in process.stderr:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            base = found.group(1)
+            break
+    assert base, "the server did not say where it listens"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    yield base
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0  # a graceful stop exits 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                              max_tokens=16, temperature=0)
+    assert response.object == "chat.completion" and response.model == MODEL
+    assert response.choices[0].message.role == "assistant" and response.choices[0].message.content
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_chat_stream_equals_the_whole_answer(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_plain_streamed_n_and_stop(client):
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert response.object == "text_completion" and "Paris" in response.choices[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if chunk.choices)
+    assert streamed == response.choices[0].text
+    several = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, n=3,
+                                        temperature=0.9, seed=3)
+    assert sorted(choice.index for choice in several.choices) == [0, 1, 2]
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                        stop=[","])
+    assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_models(client):
+    assert [model.id for model in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_errors_map_to_the_sdk_exception_types(client, server):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert raised.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
