@@ -18,6 +18,7 @@ from reame.errors import RequestError
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**32 - 2  # 0xFFFFFFFF means "random" to llama.cpp
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,12 @@ class GenerationRequest:
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     add_special: bool = True
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise RequestError("the prompt is empty", param="prompt")
@@ -131,10 +136,16 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One generated token and the text it completes (may be empty while held back)."""
+    """One generated token and the text it completes (may be empty while held back).
+
+    With `GenerationRequest.logprobs`, `logprob` is the token's log-probability under the
+    model (log-softmax of its logits) and `top` the most likely tokens with theirs.
+    """
 
     token: int
     text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,12 @@ Speculative verification will compute its probabilities from the same chain.
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+import operator
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from reame.engine.request import SamplingParams
@@ -51,3 +55,23 @@ def chain_steps(params: SamplingParams, eog_tokens: Iterable[int] = (), seed: in
 def resolve_seed(seed: int | None) -> int:
     """A concrete seed: the request's, or a fresh random one (never llama's 'random' marker)."""
     return seed if seed is not None else random.randrange(0, 2**32 - 1)
+
+
+LOGPROB_WINDOW = 30.0  # alternatives more than this below the best (e^-30) cannot make a top list
+
+
+def log_softmax_of(logits: Sequence[float], token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of `token` and the `top` most likely tokens, from raw logits.
+
+    Written so the per-element work runs in C (map over the array): about 10 ms for a
+    150k vocabulary, paid only by requests that ask for logprobs.
+    """
+    peak = max(logits)
+    total = sum(map(math.exp, map(operator.sub, logits, itertools.repeat(peak))))
+    norm = peak + math.log(total)
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        floor = peak - LOGPROB_WINDOW
+        close = [i for i, value in enumerate(logits) if value >= floor]
+        best = tuple((i, logits[i] - norm) for i in heapq.nlargest(top, close, key=logits.__getitem__))
+    return logits[token] - norm, best

@@ -30,7 +30,7 @@ from reame.engine.request import (
     TokenEvent,
     Usage,
 )
-from reame.engine.sampling import chain_steps
+from reame.engine.sampling import chain_steps, log_softmax_of
 from reame.engine.textstream import TextStream
 from reame.errors import ModelError, RequestError
 
@@ -213,7 +213,8 @@ class Engine:
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
         seq_id = self._free_slots[0]
         backend.seq_rm(seq_id)
-        sampler = backend.new_sampler(steps, seq_id)
+        # Logprobs need the logits on the CPU: such a chain samples there instead of in the graph.
+        sampler = backend.new_sampler(steps, seq_id if handle.request.logprobs is None else None)
         if params.penalised:
             window = handle.prompt_tokens if params.repeat_last_n < 0 else \
                 handle.prompt_tokens[-params.repeat_last_n:]
@@ -268,9 +269,15 @@ class Engine:
         for sequence, index in samplers:
             if sequence.next_token is not None:
                 sequence.n_fed += 1
-            self._on_token(sequence, backend.sample(sequence.sampler, index))
+            token = backend.sample(sequence.sampler, index)
+            top = sequence.handle.request.logprobs
+            if top is None:
+                self._on_token(sequence, token)
+            else:
+                self._on_token(sequence, token, *log_softmax_of(backend.logits(index), token, top))
 
-    def _on_token(self, sequence: _Sequence, token: int) -> None:
+    def _on_token(self, sequence: _Sequence, token: int, logprob: float | None = None,
+                  top: tuple[tuple[int, float], ...] = ()) -> None:
         backend = self.backend
         if not sequence.first_token_at:
             sequence.first_token_at = time.perf_counter()
@@ -280,7 +287,7 @@ class Engine:
             return
         sequence.generated += 1
         text = sequence.stream.push(backend.token_piece(token))
-        sequence.handle._put(TokenEvent(token, text))
+        sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
             self._finish(sequence, FINISH_STOP)
         elif sequence.generated >= sequence.max_tokens:

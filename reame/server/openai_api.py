@@ -12,7 +12,7 @@ import queue
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reame import __version__
@@ -125,6 +125,7 @@ def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) ->
 class Choice:
     text: str = ""
     finish: FinishEvent | None = None
+    tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
 
 
 class App:
@@ -233,15 +234,19 @@ class App:
         fields = Fields(handler.read_json())
         engine = self.ready_engine()
         check_model(fields)
-        for unsupported in ("suffix", "logprobs", "best_of"):
-            if fields.body.get(unsupported) not in (None, False, 0, 1) or (
-                    unsupported == "suffix" and fields.body.get("suffix")):
-                raise HttpError(400, f"'{unsupported}' is not supported yet", param=unsupported,
-                                code="unsupported_parameter")
+        if fields.body.get("suffix"):
+            raise HttpError(400, "'suffix' is not supported yet", param="suffix", code="unsupported_parameter")
+        if fields.integer("best_of", None, 1, MAX_CHOICES) not in (None, fields.integer("n", 1, 1, MAX_CHOICES)):
+            raise HttpError(400, "'best_of' other than n is not supported", param="best_of",
+                            code="unsupported_parameter")
         prompts = completion_prompts(fields.body.get("prompt"))
         echo = fields.boolean("echo", False)
+        logprobs = fields.integer("logprobs", None, 0, 5)
+        if echo and logprobs is not None:
+            raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
+                            code="unsupported_parameter")
         max_tokens = fields.integer("max_tokens", 16, 1, None)
-        self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo)
+        self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs)
 
     def chat_completions(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -252,8 +257,11 @@ class App:
             if fields.body.get(unsupported):
                 raise HttpError(400, f"'{unsupported}' is not supported", param=unsupported,
                                 code="unsupported_parameter")
-        if fields.body.get("logprobs") or fields.body.get("top_logprobs"):
-            raise HttpError(400, "'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
+        top_logprobs = fields.integer("top_logprobs", None, 0, 20)
+        logprobs = (top_logprobs or 0) if fields.boolean("logprobs", False) else None
+        if top_logprobs is not None and logprobs is None:
+            raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                            code="invalid_value")
         response_format = fields.body.get("response_format")
         if response_format is not None:
             if not isinstance(response_format, dict) or response_format.get("type") not in ("text",):
@@ -264,10 +272,10 @@ class App:
         if max_tokens is None:
             max_tokens = fields.integer("max_tokens", None, 1, None)
         prompt = engine.chat_prompt(messages)  # the model's template, or role-prefixed lines without one
-        self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False)
+        self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs)
 
     def generate(self, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
-                 max_tokens: int | None, chat: bool, echo: bool) -> None:
+                 max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None) -> None:
         n = fields.integer("n", 1, 1, MAX_CHOICES)
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
@@ -279,7 +287,7 @@ class App:
                 for j in range(n):
                     choice_seed = seed + prompt_index * n + j if seed is not None else random.randrange(2**32 - 1)
                     params = sampling_params(fields, max_tokens, choice_seed % (2**32 - 1))
-                    request = GenerationRequest(prompt, params)
+                    request = GenerationRequest(prompt, params, logprobs=logprobs)
                     handles.append(engine.submit(request, sink, len(handles)))
         except RequestError as error:
             for handle in handles:
@@ -287,7 +295,8 @@ class App:
             raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
         prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
         echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
-        response = Response(chat, self.settings.model_id)
+        response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
+                            else None)
         if stream:
             self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage)
         else:
@@ -316,10 +325,11 @@ class App:
                     return
             if event is None:
                 continue
+            choices[tag].text += event.text
             if isinstance(event, TokenEvent):
-                choices[tag].text += event.text
+                if event.logprob is not None:
+                    choices[tag].tokens.append(event)
             else:
-                choices[tag].text += event.text
                 choices[tag].finish = event
                 remaining -= 1
         self.account(choices)
@@ -340,19 +350,23 @@ class App:
             remaining = len(handles)
             while remaining:
                 tag, event = sink.get()
+                choice = choices[tag]
                 if isinstance(event, TokenEvent):
-                    choices[tag].text += event.text
-                    if event.text:
-                        handler.send_event(response.chunk(tag, event.text))
+                    choice.text += event.text
+                    if event.logprob is not None:
+                        choice.tokens.append(event)
+                    if event.text:  # held-back tokens ride along with the next chunk
+                        handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
+                        choice.tokens = []
                     continue
-                choices[tag].finish = event
+                choice.finish = event
                 remaining -= 1
                 if event.reason == "error":
                     handler.send_event({"error": {"message": f"generation failed: {event.message}",
                                                   "type": "server_error", "param": None,
                                                   "code": "generation_failed"}})
                     continue
-                handler.send_event(response.chunk(tag, event.text, finish_reason(event)))
+                handler.send_event(response.chunk(tag, event.text, finish_reason(event), choice.tokens))
             self.account(choices)
             if include_usage:
                 handler.send_event(response.usage_chunk(choices, prompt_tokens))
@@ -465,9 +479,10 @@ def finish_reason(event: FinishEvent) -> str:
 class Response:
     """OpenAI shapes for one request: the whole answer, or its stream chunks."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
         self.chat = chat
         self.model = model
+        self.token_piece = token_piece  # set when logprobs were asked for
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -480,7 +495,8 @@ class Response:
         shaped = []
         for index, choice in enumerate(choices):
             assert choice.finish is not None
-            item: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason(choice.finish)}
+            item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(choice.tokens),
+                                    "finish_reason": finish_reason(choice.finish)}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": choice.text}
             else:
@@ -497,13 +513,35 @@ class Response:
                 {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
         return self.chunk(index, echo) if echo else None
 
-    def chunk(self, index: int, text: str, finish: str | None = None) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, finish: str | None = None,
+              tokens: list[TokenEvent] | None = None) -> dict[str, Any]:
+        logprobs = self.logprobs(tokens or [])
         if self.chat:
             delta = {"content": text} if text or finish is None else {}
-            item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [item])
-        item = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("text_completion", [item])
+
+    def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: `content` entries for chat, parallel arrays for completions."""
+        if self.token_piece is None:
+            return None
+        piece = self.token_piece
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                raw = piece(token)
+                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+            return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(t, lp) for t, lp in e.top])
+                                for e in tokens], "refusal": None}
+        texts = [piece(e.token).decode("utf-8", "replace") for e in tokens]
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in tokens],
+                "top_logprobs": [{piece(t).decode("utf-8", "replace"): lp for t, lp in e.top} for e in tokens],
+                "text_offset": offsets}
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])

@@ -102,3 +102,14 @@ def test_errors_map_to_the_sdk_exception_types(client, server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=5)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_logprobs_through_the_sdk(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say yes."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert content and all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy takes the most likely token
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                      temperature=0, logprobs=1)
+    assert "".join(plain.choices[0].logprobs.tokens) == plain.choices[0].text

@@ -224,3 +224,30 @@ def test_a_failing_decode_ends_the_requests_it_carried_and_the_engine_goes_on():
         fine = engine.generate(GenerationRequest("abc", GREEDY), timeout_s=5)
     assert failed.finish.reason == "error" and failed.finish.message == "decode exploded"
     assert fine.tokens == run_alone("abc")
+
+
+def test_logprobs_are_the_log_softmax_of_the_model_and_do_not_change_the_tokens():
+    import math
+
+    plain = run_alone("hello world")
+    backend = FakeBackend()
+    with Engine(backend) as engine:
+        result = engine.generate(GenerationRequest("hello world", GREEDY, logprobs=3))
+        handle = engine.submit(GenerationRequest("hello world", GREEDY, logprobs=3))
+        events = [e for e in handle if isinstance(e, TokenEvent)]
+    assert result.tokens == plain
+    history = backend.tokenize("hello world")
+    for event in events:
+        logits = backend.rule(history)
+        finite = [v for v in logits if v != -math.inf]
+        norm = max(finite) + math.log(sum(math.exp(v - max(finite)) for v in finite))
+        assert math.isclose(event.logprob, logits[event.token] - norm, abs_tol=1e-9)
+        assert len(event.top) == 3 and event.top[0][1] >= event.top[1][1] >= event.top[2][1]
+        assert event.top[0][0] == event.token  # greedy picks the most likely token
+        history.append(event.token)
+
+
+def test_logprobs_request_is_validated():
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(RequestError):
+            GenerationRequest("x", GREEDY, logprobs=bad)

@@ -136,6 +136,9 @@ def test_seeded_requests_repeat(live):
     ({}, "prompt"),
     ({"prompt": "x" * 2000, "max_tokens": 10}, "prompt"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(live, body, param):
     status, answer = live.json("POST", "/v1/completions", body)
@@ -153,6 +156,9 @@ def test_bad_completion_fields_are_400_naming_the_field(live, body, param):
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_chat_fields_are_400_naming_the_field(live, body, param):
     status, answer = live.json("POST", "/v1/chat/completions", body)
@@ -358,3 +364,26 @@ def test_graceful_drain_lets_a_running_request_finish(engine):
     thread.join(10)
     server.server.server_close()
     assert results and results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 40
+
+
+def test_completion_logprobs_shape(live):
+    status, body = live.json("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                                         "logprobs": 2, "ignore_eos": True})
+    logprobs = body["choices"][0]["logprobs"]
+    assert status == 200 and len(logprobs["tokens"]) == 4 == len(logprobs["token_logprobs"])
+    assert "".join(logprobs["tokens"]) == body["choices"][0]["text"]
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"]) and all(len(t) == 2 for t in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0
+
+
+def test_chat_logprobs_whole_and_streamed_agree(live):
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+               "logprobs": True, "top_logprobs": 3, "ignore_eos": True}
+    status, body = live.json("POST", "/v1/chat/completions", request)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert status == 200 and len(content) == 5
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"} and len(content[0]["top_logprobs"]) == 3
+    chunks = read_sse(live, "/v1/chat/completions", dict(request, stream=True))
+    streamed = [entry for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for entry in c["choices"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in streamed] == [e["logprob"] for e in content]
