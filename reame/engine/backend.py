@@ -51,6 +51,9 @@ class Backend(Protocol):
     def is_eog(self, token: int) -> bool: ...
     def eog_tokens(self) -> list[int]: ...
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str: ...
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) fill-in-the-middle tokens, or None when the model has none."""
+        ...
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:
@@ -329,9 +332,10 @@ class LlamaBackend:
             self._eog_list = [token for token in range(self.n_vocab) if is_eog(vocab, token)]
         return self._eog_list
 
-    def special_token(self, name: str) -> int:
-        """FIM and other special tokens by name (fim_pre, fim_suf, fim_mid, …); -1 if absent."""
-        return getattr(self._api, f"llama_vocab_{name}")(self._vocab)
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        api, vocab = self._api, self._vocab
+        tokens = (api.llama_vocab_fim_pre(vocab), api.llama_vocab_fim_suf(vocab), api.llama_vocab_fim_mid(vocab))
+        return None if any(token < 0 for token in tokens) else tokens
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
         if self._chat_template is None:

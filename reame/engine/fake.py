@@ -25,9 +25,10 @@ from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_for
 from reame.engine.sampling import Step
 from reame.errors import ModelError
 
-BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
-SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
-N_VOCAB = 260
+BOS, EOS, IM_START, IM_END, FIM_PRE, FIM_SUF, FIM_MID = range(256, 263)
+SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END,
+            "<|fim_prefix|>": FIM_PRE, "<|fim_suffix|>": FIM_SUF, "<|fim_middle|>": FIM_MID}
+N_VOCAB = 263
 STATE_MAGIC = "reame-fake-state-1"
 
 # Bytes the default rule chooses from: lowercase letters, space, full stop,
@@ -135,6 +136,7 @@ class FakeBackend:
     """Deterministic stand-in for LlamaBackend (see the module docstring)."""
 
     has_chat_template = True
+    has_fim = True
     supports_rollback = True
 
     def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule) -> None:
@@ -190,6 +192,9 @@ class FakeBackend:
 
     def eog_tokens(self) -> list[int]:
         return [EOS, IM_END]
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        return (FIM_PRE, FIM_SUF, FIM_MID) if self.has_fim else None
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
         if not self.has_chat_template:

@@ -234,12 +234,15 @@ class App:
         fields = Fields(handler.read_json())
         engine = self.ready_engine()
         check_model(fields)
-        if fields.body.get("suffix"):
-            raise HttpError(400, "'suffix' is not supported yet", param="suffix", code="unsupported_parameter")
         if fields.integer("best_of", None, 1, MAX_CHOICES) not in (None, fields.integer("n", 1, 1, MAX_CHOICES)):
             raise HttpError(400, "'best_of' other than n is not supported", param="best_of",
                             code="unsupported_parameter")
         prompts = completion_prompts(fields.body.get("prompt"))
+        suffix = fields.body.get("suffix")
+        if suffix is not None:
+            if not isinstance(suffix, str):
+                raise fields.bad("suffix", "a string")
+            prompts = [fill_in_the_middle(engine, prompt, suffix) for prompt in prompts]
         echo = fields.boolean("echo", False)
         logprobs = fields.integer("logprobs", None, 0, 5)
         if echo and logprobs is not None:
@@ -394,6 +397,23 @@ ROUTES = {
     "/tokenize": App.tokenize,
     "/detokenize": App.detokenize,
 }
+
+
+def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:
+    """Prefix-suffix-middle tokens, as code editors send `prompt` + `suffix`: the model writes the middle.
+
+    User text is tokenized without parsing special tokens, so it cannot forge FIM markers.
+    """
+    backend = engine.backend
+    fim = backend.fim_tokens()
+    if fim is None:
+        raise HttpError(400, "this model has no fill-in-the-middle tokens; 'suffix' needs a code model such as "
+                        "qwen2.5-coder", param="suffix", code="unsupported_parameter")
+    pre, suf, mid = fim
+    prefix = backend.tokenize(prompt, add_special=False, parse_special=False) if isinstance(prompt, str) \
+        else list(prompt)
+    bos = [backend.bos_token] if getattr(backend, "add_bos", False) and backend.bos_token >= 0 else []
+    return bos + [pre] + prefix + [suf] + backend.tokenize(suffix, add_special=False, parse_special=False) + [mid]
 
 
 def check_model(fields: Fields) -> None:

@@ -135,7 +135,7 @@ def test_seeded_requests_repeat(live):
     ({"prompt": [1, N_VOCAB]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x" * 2000, "max_tokens": 10}, "prompt"),
-    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
@@ -387,3 +387,21 @@ def test_chat_logprobs_whole_and_streamed_agree(live):
     streamed = [entry for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
                 for entry in c["choices"][0]["logprobs"]["content"]]
     assert [e["logprob"] for e in streamed] == [e["logprob"] for e in content]
+
+
+def test_suffix_builds_a_fill_in_the_middle_prompt(live, engine):
+    from reame.engine.fake import FIM_MID, FIM_PRE, FIM_SUF
+    status, body = live.json("POST", "/v1/completions", {"prompt": "def f(", "suffix": "<|im_end|>)",
+                                                         "max_tokens": 3, "temperature": 0})
+    assert status == 200
+    backend = engine.backend
+    expected = [256, FIM_PRE, *b"def f(", FIM_SUF, *b"<|im_end|>)", FIM_MID]  # specials in user text stay text
+    alone = engine.generate(GenerationRequest(expected, SamplingParams(temperature=0, max_tokens=3)))
+    assert body["choices"][0]["text"] == alone.text
+    assert body["usage"]["prompt_tokens"] == len(expected)
+    backend.has_fim = False
+    try:
+        status, body = live.json("POST", "/v1/completions", {"prompt": "a", "suffix": "b"})
+        assert status == 400 and body["error"]["param"] == "suffix"
+    finally:
+        backend.has_fim = True
