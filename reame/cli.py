@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
@@ -19,8 +20,9 @@ from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
-from reame.native import LLAMA_COMMIT
+from reame.native import LLAMA_COMMIT, cache_root
 from reame.server.http import ServerSettings
+from reame.server.sessions import Sessions
 
 log = logging.getLogger("reame")
 
@@ -290,10 +292,22 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
     settings = server_settings(values, entry.name if entry else path.stem)
     n_seq = values["server.parallel"].value
 
-    def load_engine() -> Engine:
-        return Engine(LlamaBackend(model_settings(path, values, chosen, n_seq))).start()
+    model = model_settings(path, values, chosen, n_seq)
 
-    return serve(settings, load_engine, path.name)
+    def load_engine() -> Engine:
+        return Engine(LlamaBackend(model)).start()
+
+    sessions = Sessions(cache_root() / "sessions" / settings.model_id, session_fingerprint(model))
+    return serve(settings, load_engine, path.name, sessions)
+
+
+def session_fingerprint(model: ModelSettings) -> bytes:
+    """What a saved KV state depends on: the pinned library, the model file and the KV layout."""
+    path = Path(model.path)
+    with path.open("rb") as stream:
+        head = hashlib.sha256(stream.read(1 << 20)).hexdigest()
+    layout = (LLAMA_COMMIT, path.stat().st_size, head, model.n_ctx, model.n_seq_max, model.kv_unified, model.kv_type)
+    return repr(layout).encode()
 
 
 def server_settings(values: dict[str, config.Value], default_model_id: str) -> ServerSettings:

@@ -101,6 +101,19 @@ def _check_float(name: str, value: object, low: float, high: float) -> None:
 Prompt = Union[str, Sequence[int]]
 
 
+@dataclass
+class SessionState:
+    """A conversation's KV kept between requests: the tokens it covers and the sequence state blob.
+
+    A request that carries it restores the blob and prefills only the tokens its prompt adds;
+    when it finishes, the engine thread stores the grown state back here.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    blob: bytes = b""
+    reused_tokens: int = 0  # how many prompt tokens the last request did not have to prefill
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A prompt (text, or token ids) and how to continue it.
@@ -113,6 +126,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     add_special: bool = True
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    session: SessionState | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

@@ -27,6 +27,7 @@ from reame.engine.request import (
     FinishEvent,
     GenerationRequest,
     Handle,
+    SessionState,
     TokenEvent,
     Usage,
 )
@@ -41,6 +42,7 @@ class _Sequence:
     """One admitted request while it holds a sequence slot."""
 
     __slots__ = (
+        "generated_tokens",
         "admission",
         "admitted_at",
         "first_token_at",
@@ -64,6 +66,7 @@ class _Sequence:
         self.n_fed = 0  # tokens of this sequence in the KV cache
         self.next_token: int | None = None  # sampled, not yet decoded
         self.generated = 0
+        self.generated_tokens: list[int] = []  # kept for sessions only
         self.max_tokens = max_tokens
         self.stream = TextStream(handle.request.params.stop)
         self.admitted_at = time.perf_counter()
@@ -215,14 +218,35 @@ class Engine:
         backend.seq_rm(seq_id)
         # Logprobs need the logits on the CPU: such a chain samples there instead of in the graph.
         sampler = backend.new_sampler(steps, seq_id if handle.request.logprobs is None else None)
-        if params.penalised:
-            window = handle.prompt_tokens if params.repeat_last_n < 0 else \
-                handle.prompt_tokens[-params.repeat_last_n:]
-            for token in window:
-                backend.accept(sampler, token)
-        max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
-        self._free_slots.pop(0)
-        return _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
+        try:
+            if params.penalised:
+                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
+                    handle.prompt_tokens[-params.repeat_last_n:]
+                for token in window:
+                    backend.accept(sampler, token)
+            max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
+            sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
+            if handle.request.session is not None:
+                sequence.n_fed = self._restore(handle.request.session, seq_id, handle.prompt_tokens)
+        except BaseException:
+            backend.free_sampler(sampler)
+            backend.seq_rm(seq_id)
+            raise
+        self._free_slots.pop(0)  # only now: a failed start must not leak its slot
+        return sequence
+
+    def _restore(self, session: SessionState, seq_id: int, prompt: list[int]) -> int:
+        """Restore a session's KV into `seq_id`, keep what `prompt` shares with it; return that length."""
+        shared = common_prefix(session.tokens, prompt)
+        shared = min(shared, len(prompt) - 1)  # the last prompt token is always decoded, for its logits
+        session.reused_tokens = 0
+        if shared <= 0 or not session.blob:
+            return 0
+        if not self.backend.seq_state_set(seq_id, session.blob) or not self.backend.seq_rm(seq_id, shared, -1):
+            self.backend.seq_rm(seq_id)  # a blob from another model or layout: prefill everything
+            return 0
+        session.reused_tokens = shared
+        return shared
 
     def _step(self) -> None:
         backend = self.backend
@@ -286,6 +310,8 @@ class Engine:
             self._finish(sequence, FINISH_STOP)
             return
         sequence.generated += 1
+        if sequence.handle.request.session is not None:
+            sequence.generated_tokens.append(token)
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
@@ -299,6 +325,11 @@ class Engine:
 
     def _finish(self, sequence: _Sequence, reason: str, message: str = "") -> None:
         now = time.perf_counter()
+        session = sequence.handle.request.session
+        if session is not None and reason in (FINISH_STOP, FINISH_LENGTH):
+            # What the KV now holds: the prompt and the generated tokens already decoded.
+            session.tokens = (sequence.prompt + sequence.generated_tokens)[:sequence.n_fed]
+            session.blob = self.backend.seq_state_get(sequence.seq_id)
         tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
         first = sequence.first_token_at or now
         usage = Usage(len(sequence.prompt), sequence.generated, first - sequence.admitted_at, now - first)
@@ -310,6 +341,15 @@ class Engine:
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _describe(error: Exception) -> str:

@@ -20,6 +20,7 @@ from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams,
 from reame.errors import RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
+from reame.server.sessions import Sessions
 
 MAX_CHOICES = 16
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
@@ -131,9 +132,11 @@ class Choice:
 class App:
     """Routes requests to the engine. `engine` is None while the model loads (/health says 503)."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
+                 sessions: Sessions | None = None) -> None:
         self.settings = settings
         self.engine: Engine | None = None
+        self.sessions = sessions
         self.metrics = metrics or Metrics()
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
         self.metrics.describe("reame_prompt_tokens_total", "counter", "prompt tokens processed")
@@ -166,6 +169,8 @@ class App:
             route = ROUTES.get(path)
             if route is None and path.startswith("/v1/models/"):
                 route = App.model
+            if route is None and path.startswith("/v1/sessions/"):
+                route = App.session
             if route is None:
                 raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
             route(self, handler, path)
@@ -227,6 +232,53 @@ class App:
                             param="tokens", code="invalid_value")
         handler.send_json(200, {"content": backend.detokenize(tokens)})
 
+    # --- sessions ---
+
+    def ready_sessions(self) -> Sessions:
+        if self.sessions is None:
+            raise HttpError(404, "sessions are not enabled on this server", code="not_found")
+        return self.sessions
+
+    def create_session(self, handler: Handler, _path: str) -> None:
+        self.require(handler, "POST")
+        sessions = self.ready_sessions()
+        body = handler.read_json() if handler.headers.get("Content-Length") not in (None, "0") else {}
+        wanted = Fields(body).body.get("id")
+        if wanted is not None and not isinstance(wanted, str):
+            raise Fields(body).bad("id", "a string")
+        session_id = sessions.create(wanted)
+        handler.send_json(200, {"id": session_id, "object": "session"})
+
+    def session(self, handler: Handler, path: str) -> None:
+        sessions = self.ready_sessions()
+        session_id, _, action = path[len("/v1/sessions/"):].partition("/")
+        if action == "" and handler.command == "GET":
+            handler.send_json(200, sessions.describe(session_id))
+        elif action == "" and handler.command == "DELETE":
+            sessions.delete(session_id)
+            handler.send_json(200, {"id": session_id, "deleted": True})
+        elif action == "save" and handler.command == "POST":
+            sessions.save(session_id)
+            handler.send_json(200, sessions.describe(session_id))
+        elif action == "load" and handler.command == "POST":
+            sessions.load(session_id)
+            handler.send_json(200, sessions.describe(session_id))
+        elif action in ("", "save", "load"):
+            raise HttpError(405, f"{handler.command} is not allowed on this session path", code="method_not_allowed")
+        else:
+            raise HttpError(404, f"unknown session action: {action}", code="not_found")
+
+    def session_for(self, fields: Fields, n: int, prompts: list[Any]) -> tuple[str, Any] | None:
+        session_id = fields.body.get("session")
+        if session_id is None:
+            return None
+        if not isinstance(session_id, str):
+            raise fields.bad("session", "a session id string")
+        if n != 1 or len(prompts) != 1:
+            raise HttpError(400, "a session continues one conversation: use n = 1 and one prompt", param="session",
+                            code="invalid_value")
+        return session_id, self.ready_sessions().acquire(session_id)
+
     # --- generation ---
 
     def completions(self, handler: Handler, _path: str) -> None:
@@ -283,27 +335,34 @@ class App:
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
         seed = fields.integer("seed", None, 0, 2**32 - 2)
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        handles = []
+        reserved = self.session_for(fields, n, prompts)
+        session = reserved[1] if reserved else None
         try:
-            for prompt_index, prompt in enumerate(prompts):
-                for j in range(n):
-                    choice_seed = seed + prompt_index * n + j if seed is not None else random.randrange(2**32 - 1)
-                    params = sampling_params(fields, max_tokens, choice_seed % (2**32 - 1))
-                    request = GenerationRequest(prompt, params, logprobs=logprobs)
-                    handles.append(engine.submit(request, sink, len(handles)))
-        except RequestError as error:
-            for handle in handles:
-                handle.cancel()
-            raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
-        prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
-        echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
-        response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
-                            else None)
-        if stream:
-            self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage)
-        else:
-            self.collect(handler, response, sink, handles, echoes, prompt_tokens)
+            sink: queue.SimpleQueue = queue.SimpleQueue()
+            handles = []
+            try:
+                for prompt_index, prompt in enumerate(prompts):
+                    for j in range(n):
+                        choice_seed = seed + prompt_index * n + j if seed is not None else \
+                            random.randrange(2**32 - 1)
+                        params = sampling_params(fields, max_tokens, choice_seed % (2**32 - 1))
+                        request = GenerationRequest(prompt, params, logprobs=logprobs, session=session)
+                        handles.append(engine.submit(request, sink, len(handles)))
+            except RequestError as error:
+                for handle in handles:
+                    handle.cancel()
+                raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
+            prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
+            echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
+            response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
+                                else None, session)
+            if stream:
+                self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage)
+            else:
+                self.collect(handler, response, sink, handles, echoes, prompt_tokens)
+        finally:
+            if reserved:
+                self.ready_sessions().release(reserved[0])
 
     @staticmethod
     def echo_text(engine: Engine, prompt: Any) -> str:
@@ -391,6 +450,7 @@ class App:
 
 ROUTES = {
     "/metrics": App.health_metrics,
+    "/v1/sessions": App.create_session,
     "/v1/models": App.models,
     "/v1/completions": App.completions,
     "/v1/chat/completions": App.chat_completions,
@@ -499,10 +559,11 @@ def finish_reason(event: FinishEvent) -> str:
 class Response:
     """OpenAI shapes for one request: the whole answer, or its stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
+    def __init__(self, chat: bool, model: str, token_piece: Any = None, session: Any = None) -> None:
         self.chat = chat
         self.model = model
         self.token_piece = token_piece  # set when logprobs were asked for
+        self.session = session  # its reused_tokens become usage.prompt_tokens_details.cached_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -523,7 +584,7 @@ class Response:
                 item["text"] = choice.text
             shaped.append(item)
         body = self._envelope(self.object, shaped)
-        body["usage"] = usage(choices, prompt_tokens)
+        body["usage"] = self.usage(choices, prompt_tokens)
         return body
 
     def first_chunk(self, index: int, echo: str) -> dict[str, Any] | None:
@@ -565,11 +626,13 @@ class Response:
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(choices, prompt_tokens)
+        body["usage"] = self.usage(choices, prompt_tokens)
         return body
 
-
-def usage(choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
-    completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
+        shaped: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                  "total_tokens": prompt_tokens + completion}
+        if self.session is not None:
+            shaped["prompt_tokens_details"] = {"cached_tokens": self.session.reused_tokens}
+        return shaped

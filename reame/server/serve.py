@@ -15,13 +15,15 @@ from typing import Callable
 from reame.engine import Engine
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.openai_api import App
+from reame.server.sessions import Sessions
 
 log = logging.getLogger("reame.server")
 
 
-def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str) -> int:
+def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str,
+          sessions: Sessions | None = None) -> int:
     """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end."""
-    app = App(settings)
+    app = App(settings, sessions=sessions)
     server = ReameHTTPServer(settings, app)
     host, port = server.server_address[:2]
     stop = threading.Event()

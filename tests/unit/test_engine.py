@@ -251,3 +251,32 @@ def test_logprobs_request_is_validated():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(RequestError):
             GenerationRequest("x", GREEDY, logprobs=bad)
+
+
+def test_a_session_prefills_only_what_the_next_turn_adds_with_identical_output():
+    from reame.engine import SessionState
+    backend = FakeBackend()
+    session = SessionState()
+    turn_one = "<|im_start|>user\nfirst question<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with Engine(backend) as engine:
+        first = engine.generate(GenerationRequest(turn_one, params, session=session))
+        assert session.tokens == backend.tokenize(turn_one) + first.tokens[:-1]  # the last token is not in KV
+        turn_two = turn_one + first.text + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+        calls_before = len(backend.decode_calls)
+        second = engine.generate(GenerationRequest(turn_two, params, session=session))
+        fed = sum(len(call) for call in backend.decode_calls[calls_before:])
+    prompt_two = backend.tokenize(turn_two)
+    assert session.reused_tokens == len(backend.tokenize(turn_one)) + len(first.tokens) - 1
+    assert fed == len(prompt_two) - session.reused_tokens + len(second.tokens) - 1
+    assert second.tokens == run_alone(turn_two, params)
+
+
+def test_a_session_blob_that_does_not_restore_falls_back_to_a_full_prefill():
+    from reame.engine import SessionState
+    backend = FakeBackend()
+    session = SessionState(tokens=backend.tokenize("hello world"), blob=b"garbage")
+    with Engine(backend) as engine:
+        result = engine.generate(GenerationRequest("hello world again", GREEDY, session=session))
+    assert session.reused_tokens == 0
+    assert result.tokens == run_alone("hello world again")

@@ -405,3 +405,76 @@ def test_suffix_builds_a_fill_in_the_middle_prompt(live, engine):
         assert status == 400 and body["error"]["param"] == "suffix"
     finally:
         backend.has_fim = True
+
+
+@pytest.fixture
+def with_sessions(engine, tmp_path):
+    from reame.server.sessions import Sessions
+    server = Live(engine)
+    server.app.sessions = Sessions(tmp_path / "sessions", b"model-a")
+    yield server
+    server.close()
+
+
+def chat_turns(server, session=None):
+    """Two chat turns; the second carries the first answer. Returns the two answers and the second usage."""
+    messages = [{"role": "user", "content": "first question"}]
+    extra = {"session": session} if session else {}
+    request = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+    first = server.json("POST", "/v1/chat/completions", dict(request, messages=messages))[1]
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+    second = server.json("POST", "/v1/chat/completions", dict(request, messages=messages))[1]
+    return first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"], second["usage"]
+
+
+def test_a_session_reuses_the_conversation_kv_with_identical_answers(with_sessions):
+    status, created = with_sessions.json("POST", "/v1/sessions")
+    assert status == 200 and created["id"].startswith("sess-")
+    plain = chat_turns(with_sessions)
+    kept = chat_turns(with_sessions, created["id"])
+    assert kept[:2] == plain[:2]
+    assert kept[2]["prompt_tokens_details"]["cached_tokens"] > 20
+    assert with_sessions.json("GET", f"/v1/sessions/{created['id']}")[1]["tokens"] > 20
+
+
+def test_a_saved_session_survives_a_restart(with_sessions, engine, tmp_path):
+    from reame.server.sessions import Sessions
+    session_id = with_sessions.json("POST", "/v1/sessions", {"id": "my-chat"})[1]["id"]
+    chat_turns(with_sessions, session_id)
+    assert with_sessions.json("POST", f"/v1/sessions/{session_id}/save")[1]["saved"] is True
+    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-a")  # a new process
+    assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[0] == 404
+    assert with_sessions.json("POST", f"/v1/sessions/{session_id}/load")[0] == 200
+    assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[1]["tokens"] > 20
+    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-b")  # another model
+    status, body = with_sessions.json("POST", f"/v1/sessions/{session_id}/load")
+    assert status == 409 and "another model" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[:-40], lambda b: b[:10] + b"X" + b[11:], lambda b: b""])
+def test_a_damaged_session_file_is_refused(with_sessions, tmp_path, damage):
+    session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
+    with_sessions.json("POST", "/v1/sessions/" + session_id + "/save")
+    path = tmp_path / "sessions" / f"{session_id}.session"
+    path.write_bytes(damage(path.read_bytes()))
+    status, body = with_sessions.json("POST", f"/v1/sessions/{session_id}/load")
+    assert status == 409 and body["error"]["code"] == "session_unusable"
+
+
+@pytest.mark.parametrize("path, status", [
+    ("/v1/sessions/..%2Fetc", 400), ("/v1/sessions/a.b", 400), ("/v1/sessions/" + "a" * 65, 400),
+    ("/v1/sessions/unknown", 404), ("/v1/sessions/unknown/load", 404),
+])
+def test_session_ids_are_validated_and_unknown_ones_are_404(with_sessions, path, status):
+    method = "POST" if path.endswith("/load") else "GET"
+    assert with_sessions.json(method, path)[0] == status
+
+
+def test_session_deletion_and_wrong_uses(with_sessions):
+    session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
+    assert with_sessions.json("POST", "/v1/sessions", {"id": session_id})[0] == 409
+    status, body = with_sessions.json("POST", "/v1/completions", {"prompt": "x", "n": 2, "session": session_id})
+    assert status == 400 and body["error"]["param"] == "session"
+    assert with_sessions.json("PUT", f"/v1/sessions/{session_id}")[0] == 405
+    assert with_sessions.json("DELETE", f"/v1/sessions/{session_id}")[1] == {"id": session_id, "deleted": True}
+    assert with_sessions.json("POST", "/v1/completions", {"prompt": "x", "session": session_id})[0] == 404
