@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Single-stream decode and time to first token through HTTP: Reame vs llama-server.
+
+    python bench/server.py                          # SmolLM2-135M, 2 threads
+    python bench/server.py --model qwen2.5-coder-1.5b --reps 6
+
+Both servers run side by side from the same pinned build, model and threads;
+the client streams one /v1/completions request at a time (greedy, 128 tokens,
+end-of-text ignored) to each in ABBA order, so only one of them computes at a
+time. Decode tok/s is measured by the client between the first and the last
+streamed token; TTFT from sending the request to the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, llama_tool, machine, model_path, print_table, summary
+
+from reame.native import LLAMA_COMMIT
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"a server exited early with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    sys.exit("a server did not become ready")
+
+
+def stream_once(port: int, n_tokens: int) -> tuple[float, float]:
+    """(time to first token in s, decode tok/s) for one streamed greedy completion."""
+    # cache_prompt false: llama-server would otherwise reuse the previous identical prompt (prefix
+    # reuse is measured by bench/prefix_cache.py, not here).
+    body = json.dumps({"prompt": PROMPT, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+                       "cache_prompt": False,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    started = time.perf_counter()
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first = last = 0.0
+    tokens = 0
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
+    connection.close()
+    return first - started, (tokens - 1) / (last - first) if last > first else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=6)
+    args = parser.parse_args()
+    path = str(model_path(args.model))
+    ports = {"llama-server": free_port(), "reame": free_port()}
+    commands = {
+        "llama-server": [str(llama_tool("llama-server")), "-m", path, "-t", str(args.threads), "-c", "2048",
+                         "-np", "1", "--port", str(ports["llama-server"]), "--host", "127.0.0.1"],
+        "reame": [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(ports["reame"]),
+                  "--threads", str(args.threads), "--ctx", "2048", "--parallel", "1", "-q"],
+    }
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    servers = {name: subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for name, command in commands.items()}
+    results: dict[str, dict[str, list[float]]] = {name: {"ttft": [], "tps": []} for name in servers}
+    try:
+        for name in servers:
+            wait_ready(ports[name], servers[name])
+            stream_once(ports[name], 16)  # warm up
+        for rep in range(args.reps):
+            order = ("llama-server", "reame") if rep % 2 == 0 else ("reame", "llama-server")
+            for name in order:
+                ttft, tps = stream_once(ports[name], args.tokens)
+                results[name]["ttft"].append(ttft * 1000)
+                results[name]["tps"].append(tps)
+    finally:
+        for process in servers.values():
+            process.terminate()
+            process.wait(30)
+    ratios = [r / l for l, r in zip(results["llama-server"]["tps"], results["reame"]["tps"])]
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · reps {args.reps}, ABBA\n")
+    print_table(["server", "decode tok/s (HTTP stream)", "TTFT ms"], [
+        [name, summary(results[name]["tps"]), summary(results[name]["ttft"])] for name in results])
+    print(f"\nreame / llama-server decode (paired): {statistics.median(ratios):.3f} "
+          f"({min(ratios):.2f}–{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
