@@ -16,6 +16,7 @@ from reame.ctypes_llama import _lib
 from reame.ctypes_llama.types import (
     c_enum,
     ggml_abort_callback,
+    ggml_threadpool_params,
     ggml_log_callback,
     llama_batch,
     llama_chat_message,
@@ -62,6 +63,11 @@ _declare("llama_backend_init", [], None)
 _declare("llama_backend_free", [], None)
 # LLAMA_API void llama_numa_init(enum ggml_numa_strategy numa);
 _declare("llama_numa_init", [c_enum], None)
+# LLAMA_API void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
+#                                        ggml_threadpool_t threadpool_batch);
+_declare("llama_attach_threadpool", [llama_context_p, c_void_p, c_void_p], None)
+# LLAMA_API void llama_detach_threadpool(struct llama_context * ctx);
+_declare("llama_detach_threadpool", [llama_context_p], None)
 # LLAMA_API struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 _declare("llama_model_load_from_file", [c_char_p, llama_model_params], llama_model_p)
 # LLAMA_API struct llama_model * llama_model_load_from_splits(const char ** paths, size_t n_paths, struct llama_model_params params);
@@ -332,6 +338,14 @@ _declare("llama_print_system_info", [], c_char_p)
 # LLAMA_API void llama_log_set(ggml_log_callback log_callback, void * user_data);
 _declare("llama_log_set", [ggml_log_callback, c_void_p], None)
 
+# From ggml.h: GGML_API struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+_declare("ggml_threadpool_params_default", [c_int32], ggml_threadpool_params)
+# From ggml-backend.h: GGML_API ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
+_declare("ggml_backend_dev_by_type", [c_enum], c_void_p)
+# GGML_API ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+_declare("ggml_backend_dev_backend_reg", [c_void_p], c_void_p)
+# GGML_API void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+_declare("ggml_backend_reg_get_proc_address", [c_void_p, c_char_p], c_void_p)
 # From ggml-backend.h: a portable build registers its best CPU variant library this way.
 # GGML_API void ggml_backend_load_all_from_path(const char * dir_path);
 _declare("ggml_backend_load_all_from_path", [c_char_p], None)

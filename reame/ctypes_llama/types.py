@@ -324,6 +324,31 @@ class llama_perf_sampler_data(Structure):
     ]
 
 
+# ggml.h: #define GGML_MAX_N_THREADS 512; enum ggml_backend_dev_type (ggml-backend.h)
+GGML_MAX_N_THREADS = 512
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+# ggml.h: struct ggml_threadpool_params { bool cpumask[GGML_MAX_N_THREADS]; int n_threads;
+#     enum ggml_sched_priority prio; uint32_t poll; bool strict_cpu; bool paused; };
+class ggml_threadpool_params(Structure):
+    _fields_ = [
+        ("cpumask", c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", ctypes.c_int),
+        ("prio", c_enum),
+        ("poll", c_uint32),
+        ("strict_cpu", c_bool),
+        ("paused", c_bool),
+    ]
+
+
+# ggml-cpu.h, reached through ggml_backend_reg_get_proc_address (the CPU backend may be a
+# run-time-loaded variant library): struct ggml_threadpool * ggml_threadpool_new(params *);
+ggml_threadpool_new_t = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(ggml_threadpool_params))
+# void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+ggml_threadpool_free_t = ctypes.CFUNCTYPE(None, c_void_p)
+
+
 # Every struct bound above, for the layout test.
 BOUND_STRUCTS: tuple[type[Structure], ...] = (
     llama_token_data,
@@ -339,4 +364,5 @@ BOUND_STRUCTS: tuple[type[Structure], ...] = (
     llama_chat_message,
     llama_perf_context_data,
     llama_perf_sampler_data,
+    ggml_threadpool_params,
 )
