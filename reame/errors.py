@@ -35,3 +35,7 @@ class FetchError(ReameError):
 
 class ModelFileError(ModelError):
     """The model path does not name a readable GGUF file (bad input, not a runtime failure)."""
+
+
+class OverloadedError(ReameError):
+    """The server is full (its waiting queue is at its limit): retry later."""

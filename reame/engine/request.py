@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Union
@@ -111,7 +112,6 @@ class SessionState:
 
     tokens: list[int] = field(default_factory=list)
     blob: bytes = b""
-    reused_tokens: int = 0  # how many prompt tokens the last request did not have to prefill
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,7 @@ class Usage:
     completion_tokens: int
     prompt_seconds: float  # admission to first sampled token
     decode_seconds: float  # first sampled token to finish
+    cached_tokens: int = 0  # prompt tokens found in the KV (slot reuse, session) instead of prefilled
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -184,6 +185,7 @@ FINISH_STOP = "stop"  # end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context is full
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+FINISH_TIMEOUT = "timeout"  # waited longer than the queue timeout for a sequence slot
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ class Handle:
         self._sink = sink
         self.tag = tag
         self.finish: FinishEvent | None = None
+        self.submitted_at = time.monotonic()
 
     def cancel(self) -> None:
         """Stop the generation at the engine's next step and free its KV."""

@@ -5,6 +5,10 @@ Callers `submit()` from any thread and read events from the returned Handle.
 Every step is one `backend.decode` carrying the next token of every decoding
 sequence plus, in the room left under the batch size, chunks of prompts still
 being prefilled; each sequence samples with its own sampler chain.
+
+An idle slot keeps the KV of its last request: a new request goes to the idle
+slot whose cached tokens share the longest prefix with its prompt and prefills
+only the rest. Cached KV of idle slots is given up first when the context fills.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from reame.engine.request import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    FINISH_TIMEOUT,
     Completion,
     FinishEvent,
     GenerationRequest,
@@ -33,9 +38,13 @@ from reame.engine.request import (
 )
 from reame.engine.sampling import chain_steps, log_softmax_of
 from reame.engine.textstream import TextStream
-from reame.errors import ModelError, RequestError
+from reame.errors import ModelError, OverloadedError, RequestError
 
 log = logging.getLogger("reame.engine")
+
+# A cached prefix is worth taking a slot for when it covers this much of the new prompt.
+MIN_REUSED_TOKENS = 2
+MIN_REUSED_SHARE = 0.1
 
 
 class _Sequence:
@@ -43,6 +52,7 @@ class _Sequence:
 
     __slots__ = (
         "generated_tokens",
+        "cached",
         "admission",
         "admitted_at",
         "first_token_at",
@@ -66,7 +76,8 @@ class _Sequence:
         self.n_fed = 0  # tokens of this sequence in the KV cache
         self.next_token: int | None = None  # sampled, not yet decoded
         self.generated = 0
-        self.generated_tokens: list[int] = []  # kept for sessions only
+        self.generated_tokens: list[int] = []  # what the slot will hold when this request is done
+        self.cached = 0  # prompt tokens found in the KV instead of prefilled
         self.max_tokens = max_tokens
         self.stream = TextStream(handle.request.params.stop)
         self.admitted_at = time.perf_counter()
@@ -76,12 +87,17 @@ class _Sequence:
 class Engine:
     """Owns a backend and the one thread that drives it."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0) -> None:
+        """`max_queue`: most requests waiting for a slot (0 = no limit); `queue_timeout_s`: how long
+        one may wait before it fails with FINISH_TIMEOUT (0 = forever)."""
         self.backend = backend
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._waiting: deque[Handle] = deque()
         self._active: list[_Sequence] = []
-        self._free_slots = list(range(backend.n_seq_max))
+        # Idle sequence slots and the tokens their KV still holds, least recently used first.
+        self._idle: dict[int, list[int]] = {seq_id: [] for seq_id in range(backend.n_seq_max)}
         self._admissions = itertools.count()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -101,6 +117,8 @@ class Engine:
         """
         if self._closing:
             raise RequestError("the engine is shutting down")
+        if self.max_queue and self.load()[0] >= self.max_queue:
+            raise OverloadedError(f"{self.max_queue} requests are already waiting; retry shortly")
         tokens = self.prompt_tokens(request)
         limit = self.backend.n_ctx_seq
         max_tokens = request.params.max_tokens
@@ -196,7 +214,12 @@ class Engine:
             self._reject(self._waiting.popleft(), FINISH_CANCELLED, "the engine shut down")
 
     def _admit(self) -> None:
-        while self._waiting and self._free_slots:
+        if self.queue_timeout_s:
+            deadline = time.monotonic() - self.queue_timeout_s
+            while self._waiting and self._waiting[0].submitted_at < deadline:
+                self._reject(self._waiting.popleft(), FINISH_TIMEOUT,
+                             f"no sequence slot became free within {self.queue_timeout_s:g} s")
+        while self._waiting and self._idle:
             handle = self._waiting.popleft()
             if handle.cancelled:
                 self._reject(handle, FINISH_CANCELLED)
@@ -214,8 +237,7 @@ class Engine:
         backend = self.backend
         params = handle.request.params
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
-        seq_id = self._free_slots[0]
-        backend.seq_rm(seq_id)
+        seq_id, shared = self._pick_slot(handle.prompt_tokens)
         # Logprobs need the logits on the CPU: such a chain samples there instead of in the graph.
         sampler = backend.new_sampler(steps, seq_id if handle.request.logprobs is None else None)
         try:
@@ -226,26 +248,46 @@ class Engine:
                     backend.accept(sampler, token)
             max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
             sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
-            if handle.request.session is not None:
-                sequence.n_fed = self._restore(handle.request.session, seq_id, handle.prompt_tokens)
+            session = handle.request.session
+            if session is not None and common_prefix(session.tokens, handle.prompt_tokens) > shared:
+                backend.seq_rm(seq_id)
+                shared = self._restore(session, seq_id, handle.prompt_tokens)
+            elif not (shared and backend.seq_rm(seq_id, shared, -1)):
+                backend.seq_rm(seq_id)
+                shared = 0
+            sequence.n_fed = sequence.cached = shared
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(seq_id)
+            self._idle[seq_id] = []
             raise
-        self._free_slots.pop(0)  # only now: a failed start must not leak its slot
+        del self._idle[seq_id]  # only now: a failed start must not lose its slot
         return sequence
+
+    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
+        tokens can be kept (never the whole prompt: the last prompt token is always decoded,
+        for its logits). When no slot shares a useful prefix (a BOS is not one), an empty slot
+        or else the least recently used one is taken, so other slots keep their caches."""
+        best, best_shared = next(iter(self._idle)), 0
+        for seq_id, cached in self._idle.items():
+            shared = common_prefix(cached, prompt)
+            if shared > best_shared:
+                best, best_shared = seq_id, shared
+        if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
+            best = next((seq_id for seq_id, cached in self._idle.items() if not cached), next(iter(self._idle)))
+            best_shared = common_prefix(self._idle[best], prompt)
+        return best, min(best_shared, len(prompt) - 1)
 
     def _restore(self, session: SessionState, seq_id: int, prompt: list[int]) -> int:
         """Restore a session's KV into `seq_id`, keep what `prompt` shares with it; return that length."""
         shared = common_prefix(session.tokens, prompt)
         shared = min(shared, len(prompt) - 1)  # the last prompt token is always decoded, for its logits
-        session.reused_tokens = 0
         if shared <= 0 or not session.blob:
             return 0
         if not self.backend.seq_state_set(seq_id, session.blob) or not self.backend.seq_rm(seq_id, shared, -1):
             self.backend.seq_rm(seq_id)  # a blob from another model or layout: prefill everything
             return 0
-        session.reused_tokens = shared
         return shared
 
     def _step(self) -> None:
@@ -284,7 +326,14 @@ class Engine:
         if not tokens:
             return
         if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
-            # The shared context is full: the newest sequence gives way, the others go on.
+            # The shared context is full. First give up KV that idle slots keep for reuse;
+            # only when there is none does the newest running sequence give way.
+            cached = [seq_id for seq_id, tokens in self._idle.items() if tokens]
+            if cached:
+                largest = max(cached, key=lambda seq_id: len(self._idle[seq_id]))
+                backend.seq_rm(largest)
+                self._idle[largest] = []
+                return
             newest = max(self._active, key=lambda s: s.admission)
             self._finish(newest, FINISH_LENGTH, "the context is full")
             return
@@ -310,8 +359,7 @@ class Engine:
             self._finish(sequence, FINISH_STOP)
             return
         sequence.generated += 1
-        if sequence.handle.request.session is not None:
-            sequence.generated_tokens.append(token)
+        sequence.generated_tokens.append(token)
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
@@ -326,17 +374,21 @@ class Engine:
     def _finish(self, sequence: _Sequence, reason: str, message: str = "") -> None:
         now = time.perf_counter()
         session = sequence.handle.request.session
-        if session is not None and reason in (FINISH_STOP, FINISH_LENGTH):
-            # What the KV now holds: the prompt and the generated tokens already decoded.
-            session.tokens = (sequence.prompt + sequence.generated_tokens)[:sequence.n_fed]
+        kept = reason in (FINISH_STOP, FINISH_LENGTH)
+        # What the KV now holds: the prompt and the generated tokens already decoded.
+        held = (sequence.prompt + sequence.generated_tokens)[:sequence.n_fed] if kept else []
+        if session is not None and kept:
+            session.tokens = held
             session.blob = self.backend.seq_state_get(sequence.seq_id)
         tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
         first = sequence.first_token_at or now
-        usage = Usage(len(sequence.prompt), sequence.generated, first - sequence.admitted_at, now - first)
+        usage = Usage(len(sequence.prompt), sequence.generated, first - sequence.admitted_at, now - first,
+                      sequence.cached)
         self._active.remove(sequence)
-        self.backend.seq_rm(sequence.seq_id)
+        if not held:
+            self.backend.seq_rm(sequence.seq_id)
         self.backend.free_sampler(sequence.sampler)
-        self._free_slots.append(sequence.seq_id)
+        self._idle[sequence.seq_id] = held  # kept for the next request that shares its prefix (dict order = LRU)
         sequence.handle._put(FinishEvent(reason, usage, message, tail))
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:

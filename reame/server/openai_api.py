@@ -17,7 +17,7 @@ from typing import Any
 
 from reame import __version__
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from reame.errors import RequestError
+from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import Sessions
@@ -352,10 +352,14 @@ class App:
                 for handle in handles:
                     handle.cancel()
                 raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
+            except OverloadedError as error:
+                for handle in handles:
+                    handle.cancel()
+                raise HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"}) from None
             prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
             echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
-                                else None, session)
+                                else None)
             if stream:
                 self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage)
             else:
@@ -395,6 +399,9 @@ class App:
                 choices[tag].finish = event
                 remaining -= 1
         self.account(choices)
+        if any(c.finish and c.finish.reason == "timeout" for c in choices):
+            raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
+                            "server_error", "queue_timeout", headers={"Retry-After": "5"})
         failed = next((c.finish for c in choices if c.finish and c.finish.reason == "error"), None)
         if failed is not None:
             raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
@@ -423,10 +430,10 @@ class App:
                     continue
                 choice.finish = event
                 remaining -= 1
-                if event.reason == "error":
-                    handler.send_event({"error": {"message": f"generation failed: {event.message}",
-                                                  "type": "server_error", "param": None,
-                                                  "code": "generation_failed"}})
+                if event.reason in ("error", "timeout"):
+                    handler.send_event({"error": {"message": event.message, "type": "server_error", "param": None,
+                                                  "code": "generation_failed" if event.reason == "error"
+                                                  else "queue_timeout"}})
                     continue
                 handler.send_event(response.chunk(tag, event.text, finish_reason(event), choice.tokens))
             self.account(choices)
@@ -559,11 +566,10 @@ def finish_reason(event: FinishEvent) -> str:
 class Response:
     """OpenAI shapes for one request: the whole answer, or its stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_piece: Any = None, session: Any = None) -> None:
+    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
         self.chat = chat
         self.model = model
         self.token_piece = token_piece  # set when logprobs were asked for
-        self.session = session  # its reused_tokens become usage.prompt_tokens_details.cached_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -633,6 +639,6 @@ class Response:
         completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
         shaped: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                   "total_tokens": prompt_tokens + completion}
-        if self.session is not None:
-            shaped["prompt_tokens_details"] = {"cached_tokens": self.session.reused_tokens}
+        cached = sum(c.finish.usage.cached_tokens for c in choices if c.finish is not None)
+        shaped["prompt_tokens_details"] = {"cached_tokens": cached}
         return shaped

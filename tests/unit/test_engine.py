@@ -1,6 +1,7 @@
 """The engine thread on FakeBackend: exact behaviour, no model needed."""
 
 import threading
+import time
 
 import pytest
 
@@ -263,12 +264,15 @@ def test_a_session_prefills_only_what_the_next_turn_adds_with_identical_output()
         first = engine.generate(GenerationRequest(turn_one, params, session=session))
         assert session.tokens == backend.tokenize(turn_one) + first.tokens[:-1]  # the last token is not in KV
         turn_two = turn_one + first.text + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+        backend.clear()  # the slot forgets; only the session remembers
+        engine._idle = {0: []}
         calls_before = len(backend.decode_calls)
         second = engine.generate(GenerationRequest(turn_two, params, session=session))
         fed = sum(len(call) for call in backend.decode_calls[calls_before:])
     prompt_two = backend.tokenize(turn_two)
-    assert session.reused_tokens == len(backend.tokenize(turn_one)) + len(first.tokens) - 1
-    assert fed == len(prompt_two) - session.reused_tokens + len(second.tokens) - 1
+    cached = second.finish.usage.cached_tokens
+    assert cached == len(backend.tokenize(turn_one)) + len(first.tokens) - 1
+    assert fed == len(prompt_two) - cached + len(second.tokens) - 1
     assert second.tokens == run_alone(turn_two, params)
 
 
@@ -278,5 +282,68 @@ def test_a_session_blob_that_does_not_restore_falls_back_to_a_full_prefill():
     session = SessionState(tokens=backend.tokenize("hello world"), blob=b"garbage")
     with Engine(backend) as engine:
         result = engine.generate(GenerationRequest("hello world again", GREEDY, session=session))
-    assert session.reused_tokens == 0
+    assert result.finish.usage.cached_tokens == 0
     assert result.tokens == run_alone("hello world again")
+
+
+def test_a_new_request_reuses_the_idle_slot_with_the_longest_shared_prefix():
+    backend = FakeBackend(n_seq_max=3, n_ctx=2048)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    shared = "a long shared system prompt that many requests start with. "
+    with Engine(backend) as engine:
+        for prompt in ("unrelated text", shared + "first", "other unrelated"):
+            engine.generate(GenerationRequest(prompt, params))
+        calls_before = len(backend.decode_calls)
+        result = engine.generate(GenerationRequest(shared + "second", params))
+        fed = backend.decode_calls[calls_before:]
+    prompt = backend.tokenize(shared + "second")
+    common = len(backend.tokenize(shared)) + 0  # "first"/"second" differ from their first byte
+    assert result.finish.usage.cached_tokens == common
+    assert sum(len(call) for call in fed) == len(prompt) - common + len(result.tokens) - 1
+    assert {seq for call in fed for _, _, seq, _ in call} == {1}  # the slot that held the shared prefix
+    assert result.tokens == run_alone(shared + "second", params)
+
+
+def test_a_repeated_prompt_decodes_only_its_last_token_again():
+    backend = FakeBackend()
+    with Engine(backend) as engine:
+        first = engine.generate(GenerationRequest("same prompt", GREEDY))
+        second = engine.generate(GenerationRequest("same prompt", GREEDY))
+    assert second.tokens == first.tokens
+    assert second.finish.usage.cached_tokens == len(backend.tokenize("same prompt")) - 1
+
+
+def test_idle_cached_kv_is_given_up_before_any_running_request():
+    backend = FakeBackend(n_ctx=120, n_seq_max=2)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    with Engine(backend) as engine:
+        engine.generate(GenerationRequest("cached in an idle slot", params))
+        result = engine.generate(GenerationRequest("x" * 60, params))
+    assert result.finish.reason == "length" and result.finish.message == ""
+    assert len(result.tokens) == 50
+
+
+def test_a_full_queue_is_refused_and_a_long_wait_times_out():
+    from reame.errors import OverloadedError
+    gate = threading.Event()
+
+    def blocking_rule(history):
+        gate.wait(5)
+        logits = [0.0] * N_VOCAB
+        logits[ord("a")] = 1.0
+        return logits
+
+    engine = Engine(FakeBackend(rule=blocking_rule), max_queue=1, queue_timeout_s=0.2).start()
+    try:
+        running = engine.submit(GenerationRequest("a", SamplingParams(temperature=0, max_tokens=3)))
+        time.sleep(0.1)  # admitted, blocked inside decode
+        waiting = engine.submit(GenerationRequest("b", GREEDY))
+        with pytest.raises(OverloadedError):
+            engine.submit(GenerationRequest("c", GREEDY))
+        time.sleep(0.3)
+        gate.set()
+        assert waiting.result(timeout_s=5).finish.reason == "timeout"
+        assert running.result(timeout_s=5).finish.reason == "length"
+    finally:
+        gate.set()
+        engine.close()

@@ -82,7 +82,12 @@ def test_completion_shape_and_usage(live, engine):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["created"] > 0
     choice = body["choices"][0]
     assert set(choice) == {"text", "index", "logprobs", "finish_reason"} and choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    again = live.json("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 5, "temperature": 0,
+                                                  "ignore_eos": True})[1]
+    assert again["choices"][0]["text"] == choice["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 5  # an idle slot kept the KV
     alone = engine.generate(GenerationRequest("hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
     assert choice["text"] == alone.text
 
@@ -478,3 +483,37 @@ def test_session_deletion_and_wrong_uses(with_sessions):
     assert with_sessions.json("PUT", f"/v1/sessions/{session_id}")[0] == 405
     assert with_sessions.json("DELETE", f"/v1/sessions/{session_id}")[1] == {"id": session_id, "deleted": True}
     assert with_sessions.json("POST", "/v1/completions", {"prompt": "x", "session": session_id})[0] == 404
+
+
+def test_a_full_queue_is_429_and_a_queue_timeout_is_503():
+    gate = threading.Event()
+
+    def blocking_rule(history):
+        gate.wait(5)
+        logits = [0.0] * N_VOCAB
+        logits[ord("a")] = 1.0
+        return logits
+
+    engine = Engine(FakeBackend(rule=blocking_rule), max_queue=1, queue_timeout_s=0.3).start()
+    server = Live(engine)
+    results = {}
+    try:
+        first = threading.Thread(target=lambda: results.setdefault("running", server.json(
+            "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})))
+        first.start()
+        time.sleep(0.2)
+        second = threading.Thread(target=lambda: results.setdefault("waiting", server.json(
+            "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2})))
+        second.start()
+        time.sleep(0.1)
+        status, body = server.json("POST", "/v1/completions", {"prompt": "c", "max_tokens": 2})
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        second.join(5)
+        gate.set()
+        first.join(5)
+        assert results["waiting"][0] == 503 and results["waiting"][1]["error"]["code"] == "queue_timeout"
+        assert results["running"][0] == 200
+    finally:
+        gate.set()
+        server.close()
+        engine.close()
