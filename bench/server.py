@@ -6,8 +6,8 @@
 
 Both servers run side by side from the same pinned build, model and threads;
 the client streams one /v1/completions request at a time (greedy, 128 tokens,
-end-of-text ignored) to each in ABBA order, so only one of them computes at a
-time. Decode tok/s is measured by the client between the first and the last
+end-of-text ignored, a prompt no earlier request shares) to each in ABBA order,
+so only one of them computes at a time. Decode tok/s is measured by the client between the first and the last
 streamed token; TTFT from sending the request to the first token.
 """
 
@@ -54,13 +54,14 @@ def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120) -> 
     sys.exit("a server did not become ready")
 
 
-def stream_once(port: int, n_tokens: int) -> tuple[float, float]:
-    """(time to first token in s, decode tok/s) for one streamed greedy completion."""
-    # cache_prompt false: llama-server would otherwise reuse the previous identical prompt (prefix
-    # reuse is measured by bench/prefix_cache.py, not here).
-    body = json.dumps({"prompt": PROMPT, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-                       "cache_prompt": False,
-                       "stream": True, "stream_options": {"include_usage": True}})
+def stream_once(port: int, n_tokens: int, tag: str) -> tuple[float, float]:
+    """(time to first token in s, decode tok/s) for one streamed greedy completion.
+
+    `tag` starts the prompt, so no request shares a prefix with an earlier one: both servers
+    reuse cached prompts (slot reuse, cache_prompt), and that is measured elsewhere.
+    """
+    body = json.dumps({"prompt": f"[{tag}] {PROMPT}", "max_tokens": n_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
     connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
@@ -103,11 +104,11 @@ def main() -> None:
     try:
         for name in servers:
             wait_ready(ports[name], servers[name])
-            stream_once(ports[name], 16)  # warm up
+            stream_once(ports[name], 16, f"warm-up {name}")
         for rep in range(args.reps):
             order = ("llama-server", "reame") if rep % 2 == 0 else ("reame", "llama-server")
             for name in order:
-                ttft, tps = stream_once(ports[name], args.tokens)
+                ttft, tps = stream_once(ports[name], args.tokens, f"{rep}")
                 results[name]["ttft"].append(ttft * 1000)
                 results[name]["tps"].append(tps)
     finally:
