@@ -17,7 +17,6 @@ import argparse
 import http.client
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess

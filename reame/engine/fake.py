@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -50,6 +51,17 @@ def default_rule(history: Sequence[int]) -> list[float]:
         logits[token] = ((seed >> (index % 24)) * 2654435761 + index * 40503) % 997 / 100.0
     logits[EOS] = 12.0 if seed % 31 == 0 else -2.0
     return logits
+
+
+def gated_rule(gate: "threading.Event", token: int = ord("a"), wait_s: float = 5.0) -> Rule:
+    """A rule that always prefers `token` but first waits for `gate`: tests hold the engine
+    inside a decode (to queue, cancel or time out requests) and let it go when they are ready."""
+    def rule(history: Sequence[int]) -> list[float]:
+        gate.wait(wait_s)
+        logits = [0.0] * N_VOCAB
+        logits[token] = 5.0
+        return logits
+    return rule
 
 
 class FakeSampler:

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend
+from reame.engine.fake import EOS, N_VOCAB, FakeBackend, gated_rule
 from reame.errors import ModelError, RequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
@@ -126,14 +126,7 @@ def test_without_max_tokens_generation_stops_when_the_context_is_full():
 
 def test_cancel_stops_generation_and_frees_the_kv():
     gate = threading.Event()
-
-    def slow_rule(history):
-        gate.wait(5)
-        logits = [0.0] * N_VOCAB
-        logits[ord("a")] = 5.0
-        return logits
-
-    backend = FakeBackend(rule=slow_rule)
+    backend = FakeBackend(rule=gated_rule(gate))
     with Engine(backend) as engine:
         handle = engine.submit(GenerationRequest("q", SamplingParams(temperature=0, max_tokens=400)))
         events = handle.events(timeout_s=5)
@@ -180,12 +173,7 @@ def test_full_shared_context_ends_only_the_newest_sequence():
 
 def test_close_cancels_running_and_waiting_requests():
     gate = threading.Event()
-
-    def blocking_rule(history):
-        gate.wait(5)
-        return [0.0] * N_VOCAB
-
-    engine = Engine(FakeBackend(rule=blocking_rule)).start()
+    engine = Engine(FakeBackend(rule=gated_rule(gate))).start()
     running = engine.submit(GenerationRequest("a", GREEDY))
     waiting = engine.submit(GenerationRequest("b", GREEDY))
     gate.set()
@@ -326,14 +314,7 @@ def test_idle_cached_kv_is_given_up_before_any_running_request():
 def test_a_full_queue_is_refused_and_a_long_wait_times_out():
     from reame.errors import OverloadedError
     gate = threading.Event()
-
-    def blocking_rule(history):
-        gate.wait(5)
-        logits = [0.0] * N_VOCAB
-        logits[ord("a")] = 1.0
-        return logits
-
-    engine = Engine(FakeBackend(rule=blocking_rule), max_queue=1, queue_timeout_s=0.2).start()
+    engine = Engine(FakeBackend(rule=gated_rule(gate)), max_queue=1, queue_timeout_s=0.2).start()
     try:
         running = engine.submit(GenerationRequest("a", SamplingParams(temperature=0, max_tokens=3)))
         time.sleep(0.1)  # admitted, blocked inside decode

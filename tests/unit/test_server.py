@@ -9,7 +9,7 @@ import time
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import N_VOCAB, FakeBackend
+from reame.engine.fake import N_VOCAB, FakeBackend, gated_rule
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.openai_api import App
 
@@ -487,14 +487,7 @@ def test_session_deletion_and_wrong_uses(with_sessions):
 
 def test_a_full_queue_is_429_and_a_queue_timeout_is_503():
     gate = threading.Event()
-
-    def blocking_rule(history):
-        gate.wait(5)
-        logits = [0.0] * N_VOCAB
-        logits[ord("a")] = 1.0
-        return logits
-
-    engine = Engine(FakeBackend(rule=blocking_rule), max_queue=1, queue_timeout_s=0.3).start()
+    engine = Engine(FakeBackend(rule=gated_rule(gate)), max_queue=1, queue_timeout_s=0.3).start()
     server = Live(engine)
     results = {}
     try:
