@@ -296,7 +296,8 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
 
     def load_engine() -> Engine:
         return Engine(LlamaBackend(model), max_queue=values["server.max_queue"].value,
-                      queue_timeout_s=values["server.queue_timeout_seconds"].value).start()
+                      queue_timeout_s=values["server.queue_timeout_seconds"].value,
+                      prefill_chunk_tokens=values["server.prefill_chunk_tokens"].value).start()
 
     sessions = Sessions(cache_root() / "sessions" / settings.model_id, session_fingerprint(model))
     return serve(settings, load_engine, path.name, sessions)

@@ -64,6 +64,8 @@ KEYS: tuple[Key, ...] = (
         minimum=0),
     Key("server.model_id", "str", "", "model id in /v1/models and responses; empty = the model's name"),
     Key("server.parallel", "int", 1, "sequences generated together in one batch", minimum=1),
+    Key("server.prefill_chunk_tokens", "int", 128,
+        "most prompt tokens fed per step while other streams decode (0 = a whole batch)", minimum=0),
     Key("server.max_queue", "int", 32, "requests waiting for a sequence slot; more get 429", minimum=1),
     Key("server.queue_timeout_seconds", "float", 300, "a request waiting longer for a slot gets 503",
         minimum=0.1),

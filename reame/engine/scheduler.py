@@ -87,12 +87,17 @@ class _Sequence:
 class Engine:
     """Owns a backend and the one thread that drives it."""
 
-    def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0) -> None:
+    def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
+                 prefill_chunk_tokens: int = 128, reserve_tokens: int = 256) -> None:
         """`max_queue`: most requests waiting for a slot (0 = no limit); `queue_timeout_s`: how long
-        one may wait before it fails with FINISH_TIMEOUT (0 = forever)."""
+        one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
+        most prompt tokens fed in a step that also decodes (0 = the whole batch);
+        `reserve_tokens`: KV reserved for the answer of a request without max_tokens."""
         self.backend = backend
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.reserve_tokens = reserve_tokens
         self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._waiting: deque[Handle] = deque()
         self._active: list[_Sequence] = []
@@ -220,10 +225,15 @@ class Engine:
                 self._reject(self._waiting.popleft(), FINISH_TIMEOUT,
                              f"no sequence slot became free within {self.queue_timeout_s:g} s")
         while self._waiting and self._idle:
-            handle = self._waiting.popleft()
+            handle = self._waiting[0]
             if handle.cancelled:
-                self._reject(handle, FINISH_CANCELLED)
+                self._reject(self._waiting.popleft(), FINISH_CANCELLED)
                 continue
+            # Admit only what the shared KV can hold beside what is running; the head of the queue
+            # waits (and so does everyone behind it: first come, first served, no starvation).
+            if self._active and self._reserved() + self._reservation(handle) > self.backend.n_ctx:
+                break
+            self._waiting.popleft()
             try:
                 sequence = self._start(handle)
             except Exception as error:  # one bad admission fails its request, not the engine
@@ -263,6 +273,15 @@ class Engine:
             raise
         del self._idle[seq_id]  # only now: a failed start must not lose its slot
         return sequence
+
+    def _reservation(self, handle: Handle) -> int:
+        """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
+        params = handle.request.params
+        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
+        return len(handle.prompt_tokens) + min(room, params.max_tokens or self.reserve_tokens)
+
+    def _reserved(self) -> int:
+        return sum(self._reservation(sequence.handle) for sequence in self._active)
 
     def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
         """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
@@ -306,7 +325,12 @@ class Engine:
                 positions.append(sequence.n_fed)
                 seq_ids.append(sequence.seq_id)
                 outputs.append(True)
+        # Prompts are fed beside the decoding sequences, at most `prefill_chunk_tokens` per step so
+        # a long newcomer delays running streams by one chunk, never by its whole prompt. With no
+        # stream to protect, a prompt takes the whole batch.
         budget = backend.n_batch - len(tokens)
+        if tokens and self.prefill_chunk_tokens:
+            budget = min(budget, self.prefill_chunk_tokens)
         prefilled: list[tuple[_Sequence, int]] = []
         for sequence in self._active:
             remaining = len(sequence.prompt) - sequence.n_fed

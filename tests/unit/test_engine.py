@@ -6,7 +6,7 @@ import time
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend, gated_rule
+from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
 from reame.errors import ModelError, RequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
@@ -154,21 +154,53 @@ def test_cancelled_before_admission_never_runs():
     assert backend.decode_calls == []
 
 
-def test_full_shared_context_ends_only_the_newest_sequence():
+def test_requests_that_do_not_fit_the_kv_together_wait_their_turn():
     backend = FakeBackend(n_ctx=100, n_seq_max=2)
     engine = Engine(backend)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    first = engine.submit(GenerationRequest("first", params))
+    second = engine.submit(GenerationRequest("second", params))
+    engine.start()
+    try:
+        results = [first.result(timeout_s=5), second.result(timeout_s=5)]
+    finally:
+        engine.close()
+    assert all(len(r.tokens) == 60 and r.finish.message == "" for r in results)
+    assert max(len({seq for _, _, seq, _ in call}) for call in backend.decode_calls) == 1
+
+
+def test_a_sequence_that_outgrows_its_reservation_ends_alone():
+    backend = FakeBackend(n_ctx=100, n_seq_max=2)
+    engine = Engine(backend, reserve_tokens=10)
+    params = SamplingParams(temperature=0, ignore_eos=True)  # no max_tokens: until the context is full
     older = engine.submit(GenerationRequest("first", params))
     newer = engine.submit(GenerationRequest("second", params))
     engine.start()
     try:
-        newer_result = newer.result(timeout_s=5)
-        older_result = older.result(timeout_s=5)
+        newer_result, older_result = newer.result(timeout_s=5), older.result(timeout_s=5)
     finally:
         engine.close()
     assert newer_result.finish.reason == "length" and newer_result.finish.message == "the context is full"
-    assert older_result.finish.reason == "length" and older_result.finish.message == ""
-    assert len(older_result.tokens) == 60
+    assert len(older_result.tokens) > len(newer_result.tokens)
+
+
+def test_a_long_prompt_is_fed_in_chunks_beside_running_streams():
+    def slow(history):
+        time.sleep(0.002)
+        return default_rule(history)
+
+    backend = FakeBackend(n_ctx=2048, n_seq_max=2, n_batch=512, rule=slow)
+    engine = Engine(backend, prefill_chunk_tokens=16)
+    running = engine.submit(GenerationRequest("short", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    engine.start()
+    try:
+        next(running.events(timeout_s=5))
+        late = engine.submit(GenerationRequest("x" * 200, SamplingParams(temperature=0, max_tokens=5)))
+        running.result(timeout_s=5), late.result(timeout_s=5)
+    finally:
+        engine.close()
+    mixed = [call for call in backend.decode_calls if len({seq for _, _, seq, _ in call}) == 2]
+    assert mixed and all(len(call) <= 17 for call in mixed)  # one decode token + at most one chunk
 
 
 def test_close_cancels_running_and_waiting_requests():
