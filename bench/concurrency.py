@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Concurrent streaming clients: aggregate tok/s and TTFT, Reame vs llama-server -np N vs serialized.
+
+    python bench/concurrency.py                                   # SmolLM2-135M, 1/2/4/8 clients
+    python bench/concurrency.py --model qwen2.5-coder-1.5b --clients 4 --tokens 64
+
+For each N, both servers run with N slots (same build, model, threads, total
+context); N clients each stream one greedy completion of a different prompt at
+once; then the same N requests go to Reame one after another ("serialized").
+Only one server computes at a time. Aggregate tok/s = all generated tokens over
+the wall time from the first request to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from common import ROOT, llama_tool, machine, model_path, print_table
+from server import free_port, stream_once, wait_ready
+
+from reame.native import LLAMA_COMMIT
+
+
+def start(kind: str, path: str, slots: int, threads: int, context: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    if kind == "llama-server":
+        command = [str(llama_tool("llama-server")), "-m", path, "-t", str(threads), "-c", str(context),
+                   "-np", str(slots), "--port", str(port), "--host", "127.0.0.1"]
+    else:
+        command = [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
+                   str(threads), "--ctx", str(context), "--parallel", str(slots), "-q"]
+    process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    wait_ready(port, process)
+    stream_once(port, 8, f"warm-up {kind}")
+    return process, port
+
+
+def concurrent(port: int, clients: int, n_tokens: int, tag: str) -> tuple[float, list[float]]:
+    """(aggregate tok/s, TTFTs in ms) for `clients` simultaneous streams."""
+    results: list[tuple[float, float]] = [(0.0, 0.0)] * clients
+    started = time.perf_counter()
+
+    def one(i: int) -> None:
+        results[i] = stream_once(port, n_tokens, f"{tag}-{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    return clients * n_tokens / wall, [ttft * 1000 for ttft, _ in results]
+
+
+def serialized(port: int, clients: int, n_tokens: int, tag: str) -> float:
+    started = time.perf_counter()
+    for i in range(clients):
+        stream_once(port, n_tokens, f"{tag}-{i}")
+    return clients * n_tokens / (time.perf_counter() - started)
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--clients", type=int, action="append")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+    path = str(model_path(args.model))
+    rows = []
+    for clients in args.clients or [1, 2, 4, 8]:
+        servers = {kind: start(kind, path, clients, args.threads, args.context) for kind in ("reame", "llama-server")}
+        try:
+            measured: dict[str, list[float]] = {"reame": [], "llama-server": [], "serialized": []}
+            ttfts: dict[str, list[float]] = {"reame": [], "llama-server": []}
+            for rep in range(args.reps):
+                order = ("reame", "llama-server") if rep % 2 == 0 else ("llama-server", "reame")
+                for kind in order:
+                    rate, ttft = concurrent(servers[kind][1], clients, args.tokens, f"{rep}-{kind}")
+                    measured[kind].append(rate)
+                    ttfts[kind] += ttft
+                measured["serialized"].append(serialized(servers["reame"][1], clients, args.tokens, f"s{rep}"))
+        finally:
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait(30)
+        reame, llama, alone = (statistics.median(measured[k]) for k in ("reame", "llama-server", "serialized"))
+        rows.append([str(clients), f"{alone:.1f}", f"{llama:.1f}", f"{reame:.1f}", f"{reame / alone:.2f}",
+                     f"{reame / llama:.2f}",
+                     f"{percentile(ttfts['reame'], 0.5):.0f} / {percentile(ttfts['reame'], 0.95):.0f}",
+                     f"{percentile(ttfts['llama-server'], 0.5):.0f} / {percentile(ttfts['llama-server'], 0.95):.0f}"])
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {args.model} · {args.tokens} tokens per client, "
+          f"context {args.context}, reps {args.reps}\n")
+    print_table(["clients", "serialized tok/s", "llama-server -np N tok/s", "reame tok/s", "reame / serialized",
+                 "reame / llama-server", "reame TTFT p50/p95 ms", "llama-server TTFT p50/p95 ms"], rows)
+
+
+if __name__ == "__main__":
+    main()
