@@ -358,8 +358,9 @@ class Engine:
                 backend.seq_rm(largest)
                 self._idle[largest] = []
                 return
-            newest = max(self._active, key=lambda s: s.admission)
-            self._finish(newest, FINISH_LENGTH, "the context is full")
+            # The one furthest beyond its reservation ran the KV out (ties: the newest).
+            offender = max(self._active, key=lambda s: (s.n_fed - self._reservation(s.handle), s.admission))
+            self._finish(offender, FINISH_LENGTH, "the context is full")
             return
         for sequence, take in prefilled:
             sequence.n_fed += take

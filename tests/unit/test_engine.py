@@ -360,3 +360,19 @@ def test_a_full_queue_is_refused_and_a_long_wait_times_out():
     finally:
         gate.set()
         engine.close()
+
+
+def test_the_sequence_beyond_its_reservation_is_the_one_that_ends():
+    backend = FakeBackend(n_ctx=80, n_seq_max=2)  # both fit their reservations, not their growth
+    engine = Engine(backend, reserve_tokens=10)
+    greedy_forever = SamplingParams(temperature=0, ignore_eos=True)  # reserves 10 answer tokens, wants more
+    bounded = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # reserves what it uses
+    runaway = engine.submit(GenerationRequest("runaway", greedy_forever))
+    polite = engine.submit(GenerationRequest("polite", bounded))  # admitted after the runaway
+    engine.start()
+    try:
+        runaway_result, polite_result = runaway.result(timeout_s=5), polite.result(timeout_s=5)
+    finally:
+        engine.close()
+    assert len(polite_result.tokens) == 40 and polite_result.finish.message == ""
+    assert runaway_result.finish.message == "the context is full"
