@@ -14,6 +14,8 @@ the wall time from the first request to the last token.
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import os
 import statistics
 import subprocess
@@ -66,6 +68,40 @@ def serialized(port: int, clients: int, n_tokens: int, tag: str) -> float:
     return clients * n_tokens / (time.perf_counter() - started)
 
 
+def token_times(port: int, prompt: str, n_tokens: int) -> list[float]:
+    """Arrival time of every streamed piece of one greedy completion."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    times = [time.perf_counter() for line in connection.getresponse()
+             if line.startswith(b"data: {") and b'"text":""' not in line]
+    connection.close()
+    return times
+
+
+def long_prompt_stall(port: int, streams: int, n_tokens: int, long_tokens: int, tag: str) -> tuple[float, float]:
+    """Running streams' median and worst inter-token gap (ms) while a long prompt arrives mid-stream."""
+    gaps: list[float] = []
+    worst = [0.0]
+
+    def running(i: int) -> None:
+        times = token_times(port, f"[{tag}-{i}] Tell me a long story.", n_tokens)
+        steps = [b - a for a, b in zip(times, times[1:])]
+        gaps.extend(steps)
+        worst[0] = max(worst[0], max(steps, default=0.0))
+
+    threads = [threading.Thread(target=running, args=(i,)) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    document = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(long_tokens // 14))
+    token_times(port, f"[{tag}-long] {document}\nSummarise the text above.", 4)
+    for thread in threads:
+        thread.join()
+    return statistics.median(gaps) * 1000, worst[0] * 1000
+
+
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
@@ -79,8 +115,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
+                        help="instead: 2 running streams, and a prompt of about TOKENS arriving mid-stream")
     args = parser.parse_args()
     path = str(model_path(args.model))
+    if args.long_prompt:
+        stall_table(args, path)
+        return
     rows = []
     for clients in args.clients or [1, 2, 4, 8]:
         servers = {kind: start(kind, path, clients, args.threads, args.context) for kind in ("reame", "llama-server")}
@@ -107,6 +148,22 @@ def main() -> None:
           f"context {args.context}, reps {args.reps}\n")
     print_table(["clients", "serialized tok/s", "llama-server -np N tok/s", "reame tok/s", "reame / serialized",
                  "reame / llama-server", "reame TTFT p50/p95 ms", "llama-server TTFT p50/p95 ms"], rows)
+
+
+def stall_table(args: argparse.Namespace, path: str) -> None:
+    rows = []
+    for kind in ("reame", "llama-server"):
+        process, port = start(kind, path, 3, args.threads, args.context)
+        try:
+            for rep in range(args.reps):
+                median_gap, worst_gap = long_prompt_stall(port, 2, args.tokens, args.long_prompt, f"{rep}-{kind}")
+                rows.append([kind, str(rep), f"{median_gap:.0f}", f"{worst_gap:.0f}"])
+        finally:
+            process.terminate()
+            process.wait(30)
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {args.model} · 2 streams of {args.tokens} tokens, "
+          f"a ~{args.long_prompt}-token prompt arriving after 1 s\n")
+    print_table(["server", "rep", "median inter-token ms", "worst inter-token ms"], rows)
 
 
 if __name__ == "__main__":
