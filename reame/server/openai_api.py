@@ -1,132 +1,27 @@
-"""OpenAI's API over the engine: validate requests, run them, shape responses.
+"""OpenAI's API over the engine: route requests, run them, stream or collect the answers.
 
-Every field is type-checked; a wrong type is a 400 naming the field, never a
-crash. Responses, stream chunks and errors follow OpenAI's shapes, so the
-official SDKs work unchanged.
+Request bodies are read by validation.py (a wrong type is a 400 naming the
+field, never a crash) and answers are shaped by shapes.py, so the official
+SDKs work unchanged.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import random
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-from reame import __version__
-from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine import Engine, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import Sessions
+from reame.server.shapes import Choice, Response, finish_reason
+from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
+                                     sampling_params, stream_usage)
 
-MAX_CHOICES = 16
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-# --- field validation ---------------------------------------------------------------------
-
-class Fields:
-    """Typed access to a JSON object's fields; every mistake is a 400 that names the field."""
-
-    def __init__(self, body: Any) -> None:
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
-        self.body = body
-
-    def _get(self, name: str, default: Any) -> Any:
-        value = self.body.get(name)
-        return default if value is None else value
-
-    def bad(self, name: str, expected: str) -> HttpError:
-        return HttpError(400, f"'{name}' must be {expected}, got {_describe(self.body.get(name))}",
-                         param=name, code="invalid_type")
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self._get(name, default)
-        if not isinstance(value, bool):
-            raise self.bad(name, "a boolean")
-        return value
-
-    def integer(self, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
-        value = self._get(name, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.bad(name, "an integer")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise HttpError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name,
-                            code="invalid_value")
-        return value
-
-    def number(self, name: str, default: float, low: float, high: float) -> float:
-        value = self._get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.bad(name, "a number")
-        if not low <= value <= high:
-            raise HttpError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name,
-                            code="invalid_value")
-        return float(value)
-
-    def stop(self) -> tuple[str, ...]:
-        value = self._get("stop", [])
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-            raise self.bad("stop", "a string or a list of strings")
-        return tuple(item for item in value if item)
-
-    def logit_bias(self) -> dict[int, float]:
-        value = self._get("logit_bias", {})
-        if not isinstance(value, dict):
-            raise self.bad("logit_bias", "an object mapping token ids to numbers")
-        bias: dict[int, float] = {}
-        for key, amount in value.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise HttpError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias",
-                                code="invalid_value") from None
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
-                raise HttpError(400, f"'logit_bias' value for {key} must be a number in [-100, 100]",
-                                param="logit_bias", code="invalid_value")
-            bias[token] = float(amount)
-        return bias
-
-
-def _describe(value: Any) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-            top_p=fields.number("top_p", 1.0, 0.0, 1.0) or 1e-6,
-            top_k=fields.integer("top_k", 0, 0, 100_000) or 0,
-            min_p=fields.number("min_p", 0.0, 0.0, 1.0),
-            repeat_penalty=fields.number("repeat_penalty", 1.0, 0.01, 10.0),
-            presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
-            seed=seed, stop=fields.stop(), logit_bias=fields.logit_bias(),
-            ignore_eos=fields.boolean("ignore_eos", False))
-    except RequestError as error:
-        raise HttpError(400, str(error), param=error.param, code="invalid_value") from None
-
-
-# --- the application ------------------------------------------------------------------------
-
-@dataclass
-class Choice:
-    text: str = ""
-    finish: FinishEvent | None = None
-    tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
 
 
 class App:
@@ -193,7 +88,7 @@ class App:
 
     # --- small endpoints ---
 
-    def health_metrics(self, handler: Handler, _path: str) -> None:
+    def metrics_text(self, handler: Handler, _path: str) -> None:
         self.require(handler, "GET")
         handler.send_body(200, self.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
 
@@ -456,7 +351,7 @@ class App:
 
 
 ROUTES = {
-    "/metrics": App.health_metrics,
+    "/metrics": App.metrics_text,
     "/v1/sessions": App.create_session,
     "/v1/models": App.models,
     "/v1/completions": App.completions,
@@ -481,164 +376,3 @@ def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:
         else list(prompt)
     bos = [backend.bos_token] if getattr(backend, "add_bos", False) and backend.bos_token >= 0 else []
     return bos + [pre] + prefix + [suf] + backend.tokenize(suffix, add_special=False, parse_special=False) + [mid]
-
-
-def check_model(fields: Fields) -> None:
-    """`model` is accepted whatever it names (one server serves one model) but must be a string."""
-    model = fields.body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise fields.bad("model", "a string")
-
-
-def stream_usage(fields: Fields) -> bool:
-    options = fields.body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise fields.bad("stream_options", "an object")
-    return Fields(options).boolean("include_usage", False)
-
-
-def completion_prompts(prompt: Any) -> list[Any]:
-    """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
-    def is_tokens(value: Any) -> bool:
-        return isinstance(value, list) and bool(value) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif is_tokens(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(is_tokens(p) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise HttpError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
-                        f"array of token-id arrays, got {_describe(prompt)}", param="prompt", code="invalid_type")
-    if len(prompts) > MAX_CHOICES:
-        raise HttpError(400, f"at most {MAX_CHOICES} prompts per request", param="prompt", code="invalid_value")
-    if any(isinstance(p, str) and not p for p in prompts):
-        raise HttpError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-    return prompts
-
-
-def chat_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise HttpError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
-    result = []
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise HttpError(400, f"'{where}' must be an object, got {_describe(message)}", param=where,
-                            code="invalid_type")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise HttpError(400, f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role",
-                            code="invalid_value")
-        result.append({"role": "system" if role == "developer" else role,
-                       "content": message_text(message.get("content"), f"{where}.content")})
-    return result
-
-
-def message_text(content: Any, where: str) -> str:
-    """String content, or the text parts of an array of content parts, joined."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise HttpError(400, f"'{where}[{index}]' must be a text part {{\"type\": \"text\", \"text\": …}}; "
-                                "this model reads text only", param=f"{where}[{index}]", code="invalid_value")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise HttpError(400, f"'{where}' must be a string or an array of text parts, got {_describe(content)}",
-                    param=where, code="invalid_type")
-
-
-def finish_reason(event: FinishEvent) -> str:
-    return "length" if event.reason == "length" else "stop"
-
-
-class Response:
-    """OpenAI shapes for one request: the whole answer, or its stream chunks."""
-
-    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
-        self.chat = chat
-        self.model = model
-        self.token_piece = token_piece  # set when logprobs were asked for
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": f"reame-{__version__}", "choices": choices}
-
-    def whole(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
-        shaped = []
-        for index, choice in enumerate(choices):
-            assert choice.finish is not None
-            item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(choice.tokens),
-                                    "finish_reason": finish_reason(choice.finish)}
-            if self.chat:
-                item["message"] = {"role": "assistant", "content": choice.text}
-            else:
-                item["text"] = choice.text
-            shaped.append(item)
-        body = self._envelope(self.object, shaped)
-        body["usage"] = self.usage(choices, prompt_tokens)
-        return body
-
-    def first_chunk(self, index: int, echo: str) -> dict[str, Any] | None:
-        if self.chat:
-            delta = {"role": "assistant", "content": ""}
-            return self._envelope("chat.completion.chunk", [
-                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
-        return self.chunk(index, echo) if echo else None
-
-    def chunk(self, index: int, text: str, finish: str | None = None,
-              tokens: list[TokenEvent] | None = None) -> dict[str, Any]:
-        logprobs = self.logprobs(tokens or [])
-        if self.chat:
-            delta = {"content": text} if text or finish is None else {}
-            item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return self._envelope("chat.completion.chunk", [item])
-        item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope("text_completion", [item])
-
-    def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
-        """OpenAI's logprobs object: `content` entries for chat, parallel arrays for completions."""
-        if self.token_piece is None:
-            return None
-        piece = self.token_piece
-        if self.chat:
-            def entry(token: int, logprob: float) -> dict[str, Any]:
-                raw = piece(token)
-                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-            return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(t, lp) for t, lp in e.top])
-                                for e in tokens], "refusal": None}
-        texts = [piece(e.token).decode("utf-8", "replace") for e in tokens]
-        offsets, position = [], 0
-        for text in texts:
-            offsets.append(position)
-            position += len(text)
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in tokens],
-                "top_logprobs": [{piece(t).decode("utf-8", "replace"): lp for t, lp in e.top} for e in tokens],
-                "text_offset": offsets}
-
-    def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = self.usage(choices, prompt_tokens)
-        return body
-
-    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
-        completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
-        shaped: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                  "total_tokens": prompt_tokens + completion}
-        cached = sum(c.finish.usage.cached_tokens for c in choices if c.finish is not None)
-        shaped["prompt_tokens_details"] = {"cached_tokens": cached}
-        return shaped

@@ -1,0 +1,103 @@
+"""OpenAI's response shapes: whole answers, stream chunks, usage and logprobs objects."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from reame import __version__
+from reame.engine import FinishEvent, TokenEvent
+
+
+@dataclass
+class Choice:
+    text: str = ""
+    finish: FinishEvent | None = None
+    tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
+
+
+def finish_reason(event: FinishEvent) -> str:
+    return "length" if event.reason == "length" else "stop"
+
+
+class Response:
+    """OpenAI shapes for one request: the whole answer, or its stream chunks."""
+
+    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
+        self.chat = chat
+        self.model = model
+        self.token_piece = token_piece  # set when logprobs were asked for
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": f"reame-{__version__}", "choices": choices}
+
+    def whole(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        shaped = []
+        for index, choice in enumerate(choices):
+            assert choice.finish is not None
+            item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(choice.tokens),
+                                    "finish_reason": finish_reason(choice.finish)}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": choice.text}
+            else:
+                item["text"] = choice.text
+            shaped.append(item)
+        body = self._envelope(self.object, shaped)
+        body["usage"] = self.usage(choices, prompt_tokens)
+        return body
+
+    def first_chunk(self, index: int, echo: str) -> dict[str, Any] | None:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""}
+            return self._envelope("chat.completion.chunk", [
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self.chunk(index, echo) if echo else None
+
+    def chunk(self, index: int, text: str, finish: str | None = None,
+              tokens: list[TokenEvent] | None = None) -> dict[str, Any]:
+        logprobs = self.logprobs(tokens or [])
+        if self.chat:
+            delta = {"content": text} if text or finish is None else {}
+            item: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk", [item])
+        item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope("text_completion", [item])
+
+    def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: `content` entries for chat, parallel arrays for completions."""
+        if self.token_piece is None:
+            return None
+        piece = self.token_piece
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                raw = piece(token)
+                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+            return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(t, lp) for t, lp in e.top])
+                                for e in tokens], "refusal": None}
+        texts = [piece(e.token).decode("utf-8", "replace") for e in tokens]
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in tokens],
+                "top_logprobs": [{piece(t).decode("utf-8", "replace"): lp for t, lp in e.top} for e in tokens],
+                "text_offset": offsets}
+
+    def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = self.usage(choices, prompt_tokens)
+        return body
+
+    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
+        shaped: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                  "total_tokens": prompt_tokens + completion}
+        cached = sum(c.finish.usage.cached_tokens for c in choices if c.finish is not None)
+        shaped["prompt_tokens_details"] = {"cached_tokens": cached}
+        return shaped

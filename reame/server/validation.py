@@ -1,0 +1,180 @@
+"""Reading OpenAI request bodies: every field type-checked, every mistake a 400 naming the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from reame.engine import SamplingParams
+from reame.errors import RequestError
+from reame.server.http import HttpError
+
+MAX_CHOICES = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class Fields:
+    """Typed access to a JSON object's fields; every mistake is a 400 that names the field."""
+
+    def __init__(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
+        self.body = body
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def bad(self, name: str, expected: str) -> HttpError:
+        return HttpError(400, f"'{name}' must be {expected}, got {_describe(self.body.get(name))}",
+                         param=name, code="invalid_type")
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise self.bad(name, "a boolean")
+        return value
+
+    def integer(self, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+        value = self._get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.bad(name, "an integer")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise HttpError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name,
+                            code="invalid_value")
+        return value
+
+    def number(self, name: str, default: float, low: float, high: float) -> float:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.bad(name, "a number")
+        if not low <= value <= high:
+            raise HttpError(400, f"'{name}' must be between {low:g} and {high:g}, got {value}", param=name,
+                            code="invalid_value")
+        return float(value)
+
+    def stop(self) -> tuple[str, ...]:
+        value = self._get("stop", [])
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self.bad("stop", "a string or a list of strings")
+        return tuple(item for item in value if item)
+
+    def logit_bias(self) -> dict[int, float]:
+        value = self._get("logit_bias", {})
+        if not isinstance(value, dict):
+            raise self.bad("logit_bias", "an object mapping token ids to numbers")
+        bias: dict[int, float] = {}
+        for key, amount in value.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise HttpError(400, f"'logit_bias' key {key!r} is not a token id", param="logit_bias",
+                                code="invalid_value") from None
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not -100 <= amount <= 100:
+                raise HttpError(400, f"'logit_bias' value for {key} must be a number in [-100, 100]",
+                                param="logit_bias", code="invalid_value")
+            bias[token] = float(amount)
+        return bias
+
+
+def _describe(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=fields.number("temperature", 1.0, 0.0, 2.0),
+            top_p=fields.number("top_p", 1.0, 0.0, 1.0) or 1e-6,
+            top_k=fields.integer("top_k", 0, 0, 100_000) or 0,
+            min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+            repeat_penalty=fields.number("repeat_penalty", 1.0, 0.01, 10.0),
+            presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+            seed=seed, stop=fields.stop(), logit_bias=fields.logit_bias(),
+            ignore_eos=fields.boolean("ignore_eos", False))
+    except RequestError as error:
+        raise HttpError(400, str(error), param=error.param, code="invalid_value") from None
+
+
+def check_model(fields: Fields) -> None:
+    """`model` is accepted whatever it names (one server serves one model) but must be a string."""
+    model = fields.body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise fields.bad("model", "a string")
+
+
+def stream_usage(fields: Fields) -> bool:
+    options = fields.body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise fields.bad("stream_options", "an object")
+    return Fields(options).boolean("include_usage", False)
+
+
+def completion_prompts(prompt: Any) -> list[Any]:
+    """`prompt` as OpenAI allows it: a string, strings, token ids, or lists of token ids."""
+    def is_tokens(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif is_tokens(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(is_tokens(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise HttpError(400, "'prompt' must be a string, an array of strings, an array of token ids or an "
+                        f"array of token-id arrays, got {_describe(prompt)}", param="prompt", code="invalid_type")
+    if len(prompts) > MAX_CHOICES:
+        raise HttpError(400, f"at most {MAX_CHOICES} prompts per request", param="prompt", code="invalid_value")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise HttpError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+    return prompts
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
+    result = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise HttpError(400, f"'{where}' must be an object, got {_describe(message)}", param=where,
+                            code="invalid_type")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise HttpError(400, f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role",
+                            code="invalid_value")
+        result.append({"role": "system" if role == "developer" else role,
+                       "content": message_text(message.get("content"), f"{where}.content")})
+    return result
+
+
+def message_text(content: Any, where: str) -> str:
+    """String content, or the text parts of an array of content parts, joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HttpError(400, f"'{where}[{index}]' must be a text part {{\"type\": \"text\", \"text\": …}}; "
+                                "this model reads text only", param=f"{where}[{index}]", code="invalid_value")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise HttpError(400, f"'{where}' must be a string or an array of text parts, got {_describe(content)}",
+                    param=where, code="invalid_type")
