@@ -319,7 +319,9 @@ class App:
                     choice.text += event.text
                     if event.logprob is not None:
                         choice.tokens.append(event)
-                    if event.text:  # held-back tokens ride along with the next chunk
+                    if event.text and not choice.tokens:
+                        handler.send_event(response.text_chunk(tag, event.text))
+                    elif event.text:  # held-back tokens' logprobs ride along with the next chunk
                         handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
                         choice.tokens = []
                     continue

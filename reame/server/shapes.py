@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,17 @@ class Response:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        # The hot path of a stream is one text chunk per token: its JSON is this prefix, the
+        # index, the text and a fixed suffix, so only the text is serialised per token.
+        head = self._envelope("chat.completion.chunk" if chat else "text_completion", [])
+        self._chunk_head = json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-2] + '{"index":'
+        self._chunk_text = ',"delta":{"content":' if chat else ',"text":'
+        self._chunk_tail = '},"logprobs":null,"finish_reason":null}]}' if chat else \
+            ',"logprobs":null,"finish_reason":null}]}'
+
+    def text_chunk(self, index: int, text: str) -> str:
+        """A stream chunk carrying `text` and nothing else, serialised (equal to `chunk(index, text)`)."""
+        return f"{self._chunk_head}{index}{self._chunk_text}{json.dumps(text, ensure_ascii=False)}{self._chunk_tail}"
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,

@@ -510,3 +510,11 @@ def test_a_full_queue_is_429_and_a_queue_timeout_is_503():
         gate.set()
         server.close()
         engine.close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("text", ["plain", 'quote " and \\ backslash', "é🙂\n\t", ""])
+def test_the_fast_text_chunk_is_exactly_the_general_chunk(chat, text):
+    from reame.server.shapes import Response
+    response = Response(chat, "model-id")
+    assert json.loads(response.text_chunk(3, text)) == response.chunk(3, text)
