@@ -308,7 +308,7 @@ def session_fingerprint(model: ModelSettings) -> bytes:
     path = Path(model.path)
     with path.open("rb") as stream:
         head = hashlib.sha256(stream.read(1 << 20)).hexdigest()
-    layout = (LLAMA_COMMIT, path.stat().st_size, head, model.n_ctx, model.n_seq_max, model.kv_unified, model.kv_type)
+    layout = (LLAMA_COMMIT, path.stat().st_size, head, model.n_ctx, model.n_seq_max, model.unified_kv, model.kv_type)
     return repr(layout).encode()
 
 

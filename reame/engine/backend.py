@@ -107,12 +107,18 @@ class ModelSettings:
     n_batch: int = 512
     n_ubatch: int = 512
     n_seq_max: int = 1
-    kv_unified: bool = True  # one KV buffer: any sequence may use the whole context
+    # One KV buffer that any sequence may fill whole. Only worth it with several sequences: for a
+    # single one the split layout decoded ~4% faster here (and it is llama-server's default).
+    kv_unified: bool | None = None  # None: unified exactly when n_seq_max > 1
     kv_type: str = "f16"
     flash_attn: str = "auto"
     use_mmap: bool = True
     use_mlock: bool = False
     graph_sampling: bool = True  # sample inside the decode graph where the chain allows it
+
+    @property
+    def unified_kv(self) -> bool:
+        return self.n_seq_max > 1 if self.kv_unified is None else self.kv_unified
 
     def validated(self) -> ModelSettings:
         path = Path(self.path)
@@ -233,7 +239,7 @@ class LlamaBackend:
         ctx_params.n_seq_max = settings.n_seq_max
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = settings.n_threads_batch or threads
-        ctx_params.kv_unified = settings.kv_unified
+        ctx_params.kv_unified = settings.unified_kv
         ctx_params.no_perf = False
         kv_type = {"f16": t.GGML_TYPE_F16, "q8_0": t.GGML_TYPE_Q8_0, "q4_0": t.GGML_TYPE_Q4_0}[settings.kv_type]
         ctx_params.type_k = kv_type
