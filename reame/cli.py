@@ -295,7 +295,11 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
     model = model_settings(path, values, chosen, n_seq)
 
     def load_engine() -> Engine:
-        return Engine(LlamaBackend(model), max_queue=values["server.max_queue"].value,
+        backend = LlamaBackend(model)
+        facts = backend.describe()
+        log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
+                 facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
+        return Engine(backend, max_queue=values["server.max_queue"].value,
                       queue_timeout_s=values["server.queue_timeout_seconds"].value,
                       prefill_chunk_tokens=values["server.prefill_chunk_tokens"].value).start()
 

@@ -528,11 +528,6 @@ class LlamaBackend:
         buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         return self._api.llama_state_seq_set_data(self._ctx, buffer, len(blob), seq_id) > 0
 
-    def perf(self) -> dict[str, float]:
-        data = self._api.llama_perf_context(self._ctx)
-        return {"prompt_ms": data.t_p_eval_ms, "prompt_tokens": data.n_p_eval,
-                "eval_ms": data.t_eval_ms, "eval_tokens": data.n_eval}
-
     def close(self) -> None:
         api = self._api
         for sampler in list(self._attached):
