@@ -88,3 +88,13 @@ def test_list_shows_the_catalog_and_what_is_on_disk(tmp_path, capsys, monkeypatc
     code, out, _ = run(["list"], capsys)
     assert code == 0
     assert "smollm2-135m" in out and "not downloaded" in out and str(tmp_path / "models" / "mine.gguf") in out
+
+
+def test_serving_with_an_unreadable_key_file_is_a_usage_error(tmp_path, capsys):
+    from tests.unit.test_gguf import GOOD
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(GOOD)
+    conf = tmp_path / "reame.conf"
+    conf.write_text(f"[model]\npath = {model}\n[server]\napi_key_file = {tmp_path / 'missing-keys'}\nport = 0\n")
+    code, out, err = run(["--config", str(conf), "--serve"], capsys)
+    assert code == 2 and "server.api_key_file" in err and out == ""
