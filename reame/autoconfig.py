@@ -8,12 +8,12 @@ always win; autoconfig fills only what is left at 0/auto.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reame import gguf
+from reame.engine.backend import usable_cores
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -37,10 +37,7 @@ class Host:
 
 
 def probe_host(cgroup_root: Path = CGROUP_ROOT, meminfo: Path = Path("/proc/meminfo")) -> Host:
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = os.cpu_count() or 1
+    affinity = usable_cores()
     quota = cgroup_cpu_quota(cgroup_root)
     if quota is not None and math.ceil(quota) < affinity:
         cores = Choice(max(1, math.ceil(quota)), f"cgroup CPU quota {quota:g} cores (affinity allows {affinity})")

