@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from reame.cache.fingerprint import kv_fingerprint, model_content_hash
 from reame.engine.sampling import Step
 from reame.errors import ModelError, ModelFileError
 
@@ -81,6 +82,8 @@ class Backend(Protocol):
     def clear(self) -> None: ...
     def seq_state_get(self, seq_id: int) -> bytes: ...
     def seq_state_set(self, seq_id: int, blob: bytes) -> bool: ...
+    def kv_fingerprint(self) -> bytes:
+        """Names what a state blob depends on; the prefix cache and saved sessions are keyed by it."""
     def close(self) -> None: ...
 
 
@@ -120,6 +123,11 @@ class ModelSettings:
     @property
     def unified_kv(self) -> bool:
         return self.n_seq_max > 1 if self.kv_unified is None else self.kv_unified
+
+    def kv_fingerprint(self) -> bytes:
+        """What a saved sequence state from this model and context depends on (see cache/fingerprint.py)."""
+        n_stream = 1 if self.unified_kv else self.n_seq_max
+        return kv_fingerprint(model_content_hash(self.path), self.kv_type, self.flash_attn, n_stream)
 
     def validated(self) -> ModelSettings:
         path = Path(self.path)
@@ -521,6 +529,9 @@ class LlamaBackend:
         buffer = (ctypes.c_uint8 * size)()
         written = self._api.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
         return bytes(memoryview(buffer)[:written])
+
+    def kv_fingerprint(self) -> bytes:
+        return self.settings.kv_fingerprint()
 
     def seq_state_set(self, seq_id: int, blob: bytes) -> bool:
         """Restore a sequence; False (never garbage) when the blob does not fit this context."""

@@ -15,6 +15,7 @@ full cache makes decode() report DECODE_NO_KV_SLOT.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -301,6 +302,9 @@ class FakeBackend:
             return False
         self._kv[seq_id] = list(state["tokens"])
         return True
+
+    def kv_fingerprint(self) -> bytes:
+        return hashlib.sha256(f"{STATE_MAGIC}/{getattr(self.rule, '__name__', 'rule')}".encode()).digest()
 
     def kv_tokens(self, seq_id: int) -> list[int]:
         """What a sequence holds (tests only)."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+from reame.cache.store import Snapshot
 from reame.errors import RequestError
 
 MAX_STOP_STRINGS = 16
@@ -127,6 +128,7 @@ class GenerationRequest:
     add_special: bool = True
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     session: SessionState | None = None
+    warm: bool = False  # only prefill the prompt into the prefix cache: no token is generated
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -168,7 +170,7 @@ class Usage:
     completion_tokens: int
     prompt_seconds: float  # admission to first sampled token
     decode_seconds: float  # first sampled token to finish
-    cached_tokens: int = 0  # prompt tokens found in the KV (slot reuse, session) instead of prefilled
+    cached_tokens: int = 0  # prompt tokens found in the KV (slot reuse, session, prefix cache), not prefilled
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -212,6 +214,7 @@ class Handle:
         self.tag = tag
         self.finish: FinishEvent | None = None
         self.submitted_at = time.monotonic()
+        self.snapshot: Snapshot | None = None  # from the prefix cache, found at submission
 
     def cancel(self) -> None:
         """Stop the generation at the engine's next step and free its KV."""

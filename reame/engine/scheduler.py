@@ -9,6 +9,9 @@ being prefilled; each sequence samples with its own sampler chain.
 An idle slot keeps the KV of its last request: a new request goes to the idle
 slot whose cached tokens share the longest prefix with its prompt and prefills
 only the rest. Cached KV of idle slots is given up first when the context fills.
+With a prefix cache, a prompt whose start was seen before (by this process or
+another, in RAM or on disk) restores that KV snapshot instead of prefilling it,
+and a prompt that needed much prefill is snapshotted once it is in the KV.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
 from reame.engine.request import (
     FINISH_CANCELLED,
@@ -86,12 +90,14 @@ class Engine:
     """Owns a backend and the one thread that drives it."""
 
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
-                 prefill_chunk_tokens: int = 128, reserve_tokens: int = 256) -> None:
+                 prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None) -> None:
         """`max_queue`: most requests waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
-        `reserve_tokens`: KV reserved for the answer of a request without max_tokens."""
+        `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
+        `cache`: the prefix cache (the engine closes it)."""
         self.backend = backend
+        self.cache = cache
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -135,8 +141,15 @@ class Engine:
             if token >= self.backend.n_vocab:
                 raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
         handle = Handle(request, tokens, sink, tag)
+        if self.cache is not None and request.session is None:
+            # Read here, in the caller's thread, so the engine thread never waits on the disk.
+            handle.snapshot = self.cache.lookup(tokens[:-1], better_than=self._best_idle_prefix(tokens))
         self._inbox.put(handle)
         return handle
+
+    def _best_idle_prefix(self, tokens: list[int]) -> int:
+        """How much of `tokens` an idle slot already holds (a hint read outside the engine thread)."""
+        return max((common_prefix(cached, tokens) for cached in list(self._idle.values())), default=0)
 
     def load(self) -> tuple[int, int]:
         """(requests waiting, sequences running): a snapshot for metrics, read from any thread."""
@@ -174,6 +187,8 @@ class Engine:
             self._inbox.put(None)
             self._thread.join(timeout_s)
             self._thread = None
+        if self.cache is not None:
+            self.cache.close()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -256,12 +271,12 @@ class Engine:
                     backend.accept(sampler, token)
             max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
             sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
-            session = handle.request.session
-            from_session = min(common_prefix(session.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
-                if session is not None else 0
-            if from_session > shared:
+            saved = self._best_saved_state(handle)
+            from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
+                if saved is not None else 0
+            if from_saved > shared:
                 backend.seq_rm(seq_id)
-                shared = self._restore(session, seq_id, from_session)
+                shared = self._restore(saved, seq_id, from_saved)
             elif not (shared and backend.seq_rm(seq_id, shared, -1)):
                 backend.seq_rm(seq_id)
                 shared = 0
@@ -298,13 +313,21 @@ class Engine:
             best_shared = common_prefix(self._idle[best], prompt)
         return best, min(best_shared, len(prompt) - 1)
 
-    def _restore(self, session: SessionState, seq_id: int, shared: int) -> int:
-        """Restore a session's KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
-        if not session.blob:
+    @staticmethod
+    def _best_saved_state(handle: Handle) -> SessionState | Snapshot | None:
+        """The request's session or its prefix-cache snapshot, whichever covers more of the prompt."""
+        saved = [state for state in (handle.request.session, handle.snapshot) if state is not None and state.blob]
+        return max(saved, key=lambda state: common_prefix(state.tokens, handle.prompt_tokens), default=None)
+
+    def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
+        """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
+            self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
+            if isinstance(saved, Snapshot) and self.cache is not None:
+                self.cache.restore_failed(saved)
             return 0
-        if not self.backend.seq_state_set(seq_id, session.blob) or not self.backend.seq_rm(seq_id, shared, -1):
-            self.backend.seq_rm(seq_id)  # a blob from another model or layout: prefill everything
-            return 0
+        if isinstance(saved, Snapshot) and self.cache is not None:
+            self.cache.restored(shared)
         return shared
 
     def _step(self) -> None:
@@ -362,15 +385,28 @@ class Engine:
             return
         for sequence, take in prefilled:
             sequence.n_fed += take
+            if sequence.n_fed == len(sequence.prompt):
+                self._prompt_done(sequence)
         for sequence, index in samplers:
             if sequence.next_token is not None:
                 sequence.n_fed += 1
+            elif sequence.handle.request.warm:
+                self._finish(sequence, FINISH_STOP)
+                continue
             token = backend.sample(sequence.sampler, index)
             top = sequence.handle.request.logprobs
             if top is None:
                 self._on_token(sequence, token)
             else:
                 self._on_token(sequence, token, *log_softmax_of(backend.logits(index), token, top))
+
+    def _prompt_done(self, sequence: _Sequence) -> None:
+        """The whole prompt is in the KV: snapshot it when that took real prefill work (or was asked for)."""
+        cache = self.cache
+        if cache is None or sequence.handle.request.session is not None:
+            return
+        if sequence.handle.request.warm or len(sequence.prompt) - sequence.cached >= cache.min_new_tokens:
+            cache.offer(Snapshot(tuple(sequence.prompt), self.backend.seq_state_get(sequence.seq_id)))
 
     def _on_token(self, sequence: _Sequence, token: int, logprob: float | None = None,
                   top: tuple[tuple[int, float], ...] = ()) -> None:
@@ -415,15 +451,6 @@ class Engine:
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _describe(error: Exception) -> str:

@@ -1,0 +1,76 @@
+"""Model fingerprints: what a saved KV state depends on, never where the file lies.
+
+A KV snapshot is only valid for the same weights, the same llama.cpp, the same
+KV element type, the same attention kernel choice and the same stream layout.
+`model_content_hash` hashes the GGUF's size, its first bytes (header and
+metadata) and evenly spaced samples of its tensor data; it is cached per file
+(path, size, mtime) so a restart does not read the samples again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from reame.native import LLAMA_COMMIT, cache_root
+
+HEAD_BYTES = 16 << 20  # header, metadata and tensor table of every model we serve
+SAMPLES = 32
+SAMPLE_BYTES = 64 << 10
+HASH_CACHE_FILE = "model-hashes.json"
+
+
+def model_content_hash(path: str | os.PathLike[str]) -> str:
+    """sha256 hex of a GGUF's size, head and tensor-data samples; cached by (path, size, mtime)."""
+    stat = os.stat(path)
+    cache_key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache_file = cache_root() / HASH_CACHE_FILE
+    known = _read_hash_cache(cache_file)
+    if cache_key in known:
+        return known[cache_key]
+    digest = hashlib.sha256(str(stat.st_size).encode())
+    with open(path, "rb") as stream:
+        digest.update(stream.read(HEAD_BYTES))
+        if stat.st_size > HEAD_BYTES:
+            step = (stat.st_size - HEAD_BYTES) // SAMPLES
+            for index in range(SAMPLES):
+                stream.seek(HEAD_BYTES + index * step)
+                digest.update(stream.read(SAMPLE_BYTES))
+    value = digest.hexdigest()
+    known[cache_key] = value
+    _write_hash_cache(cache_file, known)
+    return value
+
+
+def kv_fingerprint(content_hash: str, kv_type: str, flash_attn: str, n_stream: int) -> bytes:
+    """32 bytes naming everything a sequence state blob depends on.
+
+    `n_stream` is the KV layout: 1 for a unified buffer (any number of
+    sequences), n_seq_max for split streams. A blob records it and restores
+    only into the same layout, so a unified server and a one-shot CLI run
+    (one sequence, one stream) share snapshots.
+    """
+    facts = {"model": content_hash, "llama": LLAMA_COMMIT, "kv_type": kv_type, "flash_attn": flash_attn,
+             "n_stream": n_stream}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).digest()
+
+
+def _read_hash_cache(path: Path) -> dict[str, str]:
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_hash_cache(path: Path, known: dict[str, str]) -> None:
+    """Best effort: a lost update only costs hashing the file again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(known, indent=0, sort_keys=True), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError:
+        pass

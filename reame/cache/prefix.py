@@ -1,0 +1,245 @@
+"""The shared-prefix KV cache: find the snapshot sharing the longest prefix with a prompt.
+
+Prompts are cut into blocks of `block_tokens`; block i's key is a hash of
+(key of block i-1, the block's tokens) and the chain starts at the model
+fingerprint, so a key names one exact token prefix of one model. Every
+snapshot is indexed under the keys of its full blocks. A lookup walks the
+prompt's keys to the deepest one any snapshot has, then compares tokens byte
+for byte and returns the snapshot with the longest common prefix; the engine
+restores it and cuts the KV back to that length. So a snapshot of
+"system prompt + question 1" serves "system prompt + question 2" too, and no
+separate snapshot of the system prompt is needed.
+
+Storage stays linear in what was prompted: a snapshot whose tokens are a
+prefix of a newer one is dropped (the newer one covers it), and a prefix of
+an existing snapshot is never stored. Snapshots live in a RAM tier
+(uncompressed, LRU under its own byte budget) in front of the disk tier
+(`store.DiskStore`); disk writes happen on a writer thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from reame.cache.store import DiskStore, Snapshot, pack_tokens
+
+log = logging.getLogger("reame.cache")
+
+STATS = ("hits", "misses", "tokens_reused", "snapshots_stored", "bytes_read", "bytes_written", "evictions",
+         "corrupt_dropped", "restore_failed", "writes_skipped")
+WRITE_QUEUE = 8
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def block_keys(fingerprint: bytes, tokens: Sequence[int], block_tokens: int) -> list[bytes]:
+    """The chain key of every full block of `tokens`."""
+    keys = []
+    key = fingerprint
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        key = hashlib.blake2b(key + pack_tokens(tokens[start:start + block_tokens]), digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+def snapshot_name(fingerprint: bytes, tokens: Sequence[int]) -> str:
+    """A snapshot's identity: its model and every one of its tokens."""
+    return hashlib.blake2b(fingerprint + pack_tokens(tokens), digest_size=20).hexdigest()
+
+
+class PrefixCache:
+    """RAM and disk tiers of KV snapshots for one model fingerprint. Thread-safe."""
+
+    def __init__(self, fingerprint: bytes, directory: Path | None = None, disk_budget_bytes: int = 2 << 30,
+                 ram_budget_bytes: int = 256 << 20, block_tokens: int = 32, min_new_tokens: int = 64,
+                 compress: bool = True) -> None:
+        self.fingerprint = fingerprint
+        self.block_tokens = max(1, block_tokens)
+        self.min_new_tokens = max(self.block_tokens, min_new_tokens)
+        self.ram_budget_bytes = ram_budget_bytes
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._stats_lock = threading.Lock()  # apart from _lock: the disk tier counts while _lock is held
+        self._known: dict[str, tuple[int, ...]] = {}  # every snapshot in RAM or on disk -> its tokens
+        self._by_block: dict[bytes, set[str]] = {}
+        self._ram: OrderedDict[str, Snapshot] = OrderedDict()
+        self._ram_bytes = 0
+        self._disk = DiskStore(directory, fingerprint, disk_budget_bytes, compress, self._add) \
+            if directory is not None else None
+        self._writes: queue.Queue[tuple[str, Snapshot | None] | None] = queue.Queue(WRITE_QUEUE)
+        self._writer: threading.Thread | None = None
+        if self._disk is not None:
+            self._index(self._disk.entries)
+            self._writer = threading.Thread(target=self._write_loop, name="reame-cache-writer", daemon=True)
+            self._writer.start()
+
+    # --- lookups and offers (any thread) ----------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], better_than: int = 0) -> Snapshot | None:
+        """The snapshot sharing the longest prefix with `tokens`, if it shares more than `better_than`."""
+        keys = block_keys(self.fingerprint, tokens, self.block_tokens)
+        if not keys or len(keys) * self.block_tokens <= better_than:
+            return None
+        with self._lock:
+            self._refresh_disk()
+            candidates = next((self._by_block[key] for key in reversed(keys) if key in self._by_block), set())
+            ranked = sorted(((common_prefix(self._known[name], tokens), name) for name in candidates), reverse=True)
+        for shared, name in ranked:
+            if shared <= better_than:
+                break
+            snapshot = self._fetch(name)
+            if snapshot is not None:
+                self._add("hits", 1)
+                return snapshot
+        self._add("misses", 1)
+        return None
+
+    def restored(self, tokens_reused: int) -> None:
+        """The engine put a looked-up snapshot to use and kept this many of its tokens."""
+        self._add("tokens_reused", tokens_reused)
+
+    def restore_failed(self, snapshot: Snapshot) -> None:
+        """The engine could not restore a snapshot into its context: never offer it again here."""
+        self._add("restore_failed", 1)
+        with self._lock:
+            self._forget(snapshot_name(self.fingerprint, snapshot.tokens), from_disk=False)
+
+    def offer(self, snapshot: Snapshot) -> bool:
+        """Keep a new snapshot unless one already covers it; drop those it covers. True if kept."""
+        tokens = snapshot.tokens
+        name = snapshot_name(self.fingerprint, tokens)
+        keys = block_keys(self.fingerprint, tokens, self.block_tokens)
+        if not keys:
+            return False
+        with self._lock:
+            related = self._by_block.get(keys[-1], set()) | self._by_block.get(keys[0], set())
+            if name in self._known or any(_is_prefix(tokens, self._known[other]) for other in related):
+                return False
+            covered = {other for key in keys for other in self._by_block.get(key, ())
+                       if _is_prefix(self._known[other], tokens)}
+            for other in covered:
+                self._forget(other, from_disk=True)
+            self._index({name: tokens})
+            self._keep_in_ram(name, snapshot)
+        self._add("snapshots_stored", 1)
+        self._queue_write(name, snapshot)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            counts = {name: self._stats[name] for name in STATS}
+        with self._lock:
+            counts.update(snapshots=len(self._known), ram_bytes=self._ram_bytes)
+        return counts
+
+    def close(self) -> None:
+        """Finish pending disk writes, then stop the writer."""
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join()
+            self._writer = None
+
+    # --- internals -----------------------------------------------------------------
+
+    def _add(self, name: str, value: int) -> None:
+        with self._stats_lock:
+            self._stats[name] += value
+
+    def _fetch(self, name: str) -> Snapshot | None:
+        with self._lock:
+            snapshot = self._ram.get(name)
+            if snapshot is not None:
+                self._ram.move_to_end(name)
+                return snapshot
+        if self._disk is None:
+            return None
+        snapshot = self._disk.read(name)
+        with self._lock:
+            if snapshot is None:
+                self._forget(name, from_disk=False)
+            elif name in self._known:
+                self._keep_in_ram(name, snapshot)
+        return snapshot
+
+    def _refresh_disk(self) -> None:
+        if self._disk is None:
+            return
+        added, gone = self._disk.refresh()
+        for name in gone:
+            if name not in self._ram:
+                self._forget(name, from_disk=False)
+        self._index({name: self._disk.entries[name] for name in added if name in self._disk.entries})
+
+    def _index(self, snapshots: dict[str, tuple[int, ...]]) -> None:
+        for name, tokens in snapshots.items():
+            self._known[name] = tokens
+            for key in block_keys(self.fingerprint, tokens, self.block_tokens):
+                self._by_block.setdefault(key, set()).add(name)
+
+    def _forget(self, name: str, from_disk: bool) -> None:
+        tokens = self._known.pop(name, None)
+        if tokens is not None:
+            for key in block_keys(self.fingerprint, tokens, self.block_tokens):
+                names = self._by_block.get(key)
+                if names is not None:
+                    names.discard(name)
+                    if not names:
+                        del self._by_block[key]
+        dropped = self._ram.pop(name, None)
+        if dropped is not None:
+            self._ram_bytes -= len(dropped.blob)
+        if from_disk and self._disk is not None:
+            self._queue_write(name, None)
+
+    def _keep_in_ram(self, name: str, snapshot: Snapshot) -> None:
+        if name in self._ram or len(snapshot.blob) > self.ram_budget_bytes:
+            return
+        self._ram[name] = snapshot
+        self._ram_bytes += len(snapshot.blob)
+        while self._ram_bytes > self.ram_budget_bytes:
+            old_name, old = self._ram.popitem(last=False)
+            self._ram_bytes -= len(old.blob)
+            if self._disk is None:
+                self._forget(old_name, from_disk=False)
+            # With a disk tier it stays known: it is on disk, or will be; a write that never
+            # happens shows as a failed fetch, which forgets it then.
+
+    def _queue_write(self, name: str, snapshot: Snapshot | None) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._writes.put_nowait((name, snapshot))
+        except queue.Full:
+            self._add("writes_skipped", 1)
+
+    def _write_loop(self) -> None:
+        assert self._disk is not None
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            name, snapshot = item
+            try:
+                if snapshot is None:
+                    self._disk.remove(name)
+                elif not self._disk.write(name, snapshot):
+                    self._add("writes_skipped", 1)
+            except Exception:  # a failing disk loses a snapshot, never the writer
+                log.exception("KV snapshot write failed")
+
+
+def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:
+    return len(short) <= len(long) and tuple(long[:len(short)]) == tuple(short)

@@ -1,0 +1,301 @@
+"""Snapshot files: one sequence's KV state and the tokens it covers, on disk.
+
+File layout (little-endian):
+
+    header   magic "REAMEKV\\0", u32 version, 32-byte fingerprint, u32 token count,
+             u32 codec (0 raw, 1 zstd), u64 payload size, u64 raw size
+    tokens   token count x i32
+    payload  the state blob, raw or zstd-compressed
+    trailer  u32 crc32 of everything before it
+
+Writes go to a temp file, fsync, rename, so a reader never sees half a file.
+Several processes share one directory: writes and evictions hold an exclusive
+`flock` on `.lock`, the least recently used files (by mtime; a hit touches its
+file) go first when the byte budget is exceeded, and each process rescans the
+directory when it changed, so it sees the others' new files without a restart.
+A truncated, corrupt or foreign file is removed and counted, never fatal; a
+file of another model (another fingerprint) is left alone for its owner.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reame.errors import CacheError
+
+log = logging.getLogger("reame.cache")
+
+MAGIC = b"REAMEKV\0"
+VERSION = 1
+HEADER = struct.Struct("<8sI32sIIQQ")
+TRAILER = struct.Struct("<I")
+CODEC_RAW, CODEC_ZSTD = 0, 1
+SUFFIX = ".kvs"
+LOCK_NAME = ".lock"
+MAX_TOKENS = 1 << 24
+# Compress only when a sample shrinks by this much: KV data is mostly incompressible
+# (zstd gave 1.04-1.09x on real KV), and every compressed byte costs CPU on restore.
+COMPRESS_SAMPLE_BYTES = 1 << 20
+COMPRESS_WORTH_RATIO = 0.85
+# A directory changed this recently may change again within its mtime granularity: rescan.
+RESCAN_WINDOW_NS = 2_000_000_000
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A sequence's KV state blob and the tokens it holds, in order."""
+
+    tokens: tuple[int, ...]
+    blob: bytes
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    packed = array.array("i", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    values = array.array("i")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return tuple(values)
+
+
+def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
+    """The whole file for a snapshot; compressed only when a sample shows that it pays."""
+    blob = snapshot.blob
+    codec, payload = CODEC_RAW, blob
+    if compress and _compression_pays(blob):
+        import zstandard
+        packed = zstandard.ZstdCompressor(level=1).compress(blob)
+        if len(packed) < len(blob) * COMPRESS_WORTH_RATIO:
+            codec, payload = CODEC_ZSTD, packed
+    head = HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob))
+    body = b"".join((head, pack_tokens(snapshot.tokens), payload))
+    return body + TRAILER.pack(zlib.crc32(body))
+
+
+def decode(data: bytes, fingerprint: bytes) -> Snapshot:
+    """Parse and verify a whole file; CacheError says what is wrong with it."""
+    n_tokens, codec, payload_size, raw_size = _parse_header(data[:HEADER.size], fingerprint)
+    tokens_end = HEADER.size + 4 * n_tokens
+    if len(data) != tokens_end + payload_size + TRAILER.size:
+        raise CacheError("the file is truncated or has trailing bytes")
+    if zlib.crc32(memoryview(data)[:-TRAILER.size]) != TRAILER.unpack_from(data, len(data) - TRAILER.size)[0]:
+        raise CacheError("checksum mismatch")
+    payload = data[tokens_end:tokens_end + payload_size]
+    if codec == CODEC_ZSTD:
+        import zstandard
+        try:
+            payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_size)
+        except zstandard.ZstdError as error:
+            raise CacheError(f"cannot decompress: {error}") from None
+    if len(payload) != raw_size:
+        raise CacheError("the state has the wrong size")
+    return Snapshot(unpack_tokens(data[HEADER.size:tokens_end]), payload)
+
+
+class ForeignFingerprint(CacheError):
+    """A valid file written for another model, library or KV layout."""
+
+
+def _parse_header(head: bytes, fingerprint: bytes) -> tuple[int, int, int, int]:
+    if len(head) < HEADER.size:
+        raise CacheError("the file is truncated")
+    magic, version, file_fingerprint, n_tokens, codec, payload_size, raw_size = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise CacheError("not a Reame KV snapshot")
+    if version != VERSION:
+        raise CacheError(f"snapshot format version {version}, this Reame reads {VERSION}")
+    if codec not in (CODEC_RAW, CODEC_ZSTD) or n_tokens > MAX_TOKENS:
+        raise CacheError("the header is damaged")
+    if file_fingerprint != fingerprint:
+        raise ForeignFingerprint("written for another model, library or KV layout")
+    return n_tokens, codec, payload_size, raw_size
+
+
+def _compression_pays(blob: bytes) -> bool:
+    import zstandard
+    sample = blob[:COMPRESS_SAMPLE_BYTES]
+    return bool(sample) and len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * COMPRESS_WORTH_RATIO
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename: readers see all of it or nothing."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with temporary.open("wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class DiskStore:
+    """The snapshot files of one fingerprint in a shared directory, under a byte budget."""
+
+    def __init__(self, directory: Path, fingerprint: bytes, budget_bytes: int, compress: bool = True,
+                 count: Callable[[str, int], None] = lambda name, n: None) -> None:
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.budget_bytes = budget_bytes
+        self.compress = compress
+        self._count = count
+        self.entries: dict[str, tuple[int, ...]] = {}  # file stem -> tokens, this fingerprint only
+        self._seen: set[str] = set()  # every file name looked at, ours or not
+        self._scanned_mtime = -1
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            self._enforce_budget()
+        self.refresh()
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{name}{SUFFIX}"
+
+    def refresh(self) -> tuple[list[str], list[str]]:
+        """Rescan when the directory changed: (names added, names gone) for this fingerprint."""
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except OSError:
+            return [], []
+        if mtime == self._scanned_mtime and time.time_ns() - mtime > RESCAN_WINDOW_NS:
+            return [], []
+        self._scanned_mtime = mtime
+        present = {entry.name for entry in os.scandir(self.directory)
+                   if entry.name.endswith(SUFFIX) and not entry.name.startswith(".")}
+        added = []
+        for file_name in present - self._seen:
+            name = file_name[:-len(SUFFIX)]
+            tokens = self._read_tokens(name)
+            if tokens is not None:
+                self.entries[name] = tokens
+                added.append(name)
+        gone = [name for name in list(self.entries) if self.path(name).name not in present]
+        for name in gone:
+            del self.entries[name]
+        self._seen = present
+        return added, gone
+
+    def read(self, name: str) -> Snapshot | None:
+        """The verified snapshot, or None (a damaged file is removed and counted)."""
+        path = self.path(name)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self.entries.pop(name, None)
+            return None
+        except OSError as error:
+            log.warning("cannot read KV snapshot %s: %s", path.name, error.strerror)
+            return None
+        try:
+            snapshot = decode(data, self.fingerprint)
+        except CacheError as error:
+            self._drop_damaged(name, str(error))
+            return None
+        self._count("bytes_read", len(data))
+        try:
+            os.utime(path)  # recency for the LRU, seen by every process
+        except OSError:
+            pass
+        return snapshot
+
+    def write(self, name: str, snapshot: Snapshot) -> bool:
+        """Store a snapshot (False when it alone exceeds the budget or the disk refuses it)."""
+        data = encode(self.fingerprint, snapshot, self.compress)
+        if len(data) > self.budget_bytes:
+            return False
+        try:
+            with self._locked():
+                write_atomically(self.path(name), data)
+                self._enforce_budget()
+        except OSError as error:
+            log.warning("cannot write KV snapshot %s: %s", name, error.strerror or error)
+            return False
+        self.entries[name] = snapshot.tokens
+        self._count("bytes_written", len(data))
+        return True
+
+    def remove(self, name: str) -> None:
+        self.entries.pop(name, None)
+        self.path(name).unlink(missing_ok=True)
+
+    def _read_tokens(self, name: str) -> tuple[int, ...] | None:
+        path = self.path(name)
+        try:
+            with path.open("rb") as stream:
+                head = stream.read(HEADER.size)
+                n_tokens, _, payload_size, _ = _parse_header(head, self.fingerprint)
+                token_bytes = stream.read(4 * n_tokens)
+                size = os.fstat(stream.fileno()).st_size
+        except ForeignFingerprint:
+            return None
+        except CacheError as error:
+            self._drop_damaged(name, str(error))
+            return None
+        except OSError:
+            return None
+        if len(token_bytes) != 4 * n_tokens or size != HEADER.size + 4 * n_tokens + payload_size + TRAILER.size:
+            self._drop_damaged(name, "the file is truncated or has trailing bytes")
+            return None
+        return unpack_tokens(token_bytes)
+
+    def _drop_damaged(self, name: str, why: str) -> None:
+        log.warning("dropping KV snapshot %s: %s", self.path(name).name, why)
+        self.entries.pop(name, None)
+        self.path(name).unlink(missing_ok=True)
+        self._count("corrupt_dropped", 1)
+
+    def _enforce_budget(self) -> None:
+        """Delete the least recently used files until the directory fits its budget (lock held)."""
+        files = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue
+                files.append((stat.st_mtime_ns, entry.name, stat.st_size))
+        total = sum(size for _, _, size in files)
+        for _, file_name, size in sorted(files):
+            if total <= self.budget_bytes:
+                break
+            (self.directory / file_name).unlink(missing_ok=True)  # `refresh` reports it gone
+            total -= size
+            self._count("evictions", 1)
+
+    def _locked(self) -> _FileLock:
+        return _FileLock(self.directory / LOCK_NAME)
+
+
+class _FileLock:
+    """An exclusive flock on a file, for the duration of a with-block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+
+    def __enter__(self) -> _FileLock:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
