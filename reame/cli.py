@@ -8,7 +8,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
@@ -17,7 +16,8 @@ from typing import Any, Sequence
 
 from reame import __version__, autoconfig, catalog, config, fetch
 from reame.chat import Conversation, line_reader, repl, stream_answer
-from reame.engine import Engine, FinishEvent, SamplingParams
+from reame.cache import PrefixCache
+from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT, cache_root
@@ -110,6 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
     add_server_flags(run, default=argparse.SUPPRESS)
+
+    warm = commands.add_parser("warm", help="prefill documents into the prefix cache ahead of time",
+                               description="Prefill documents into the persistent prefix cache (e.g. nightly), "
+                                           "so that later requests that start with them skip their prefill.")
+    warm.add_argument("model", help="a catalog name or a path to a .gguf file")
+    warm.add_argument("files", nargs="+", metavar="FILE", help="text files to warm ('-' reads standard input)")
+    warm.add_argument("--as", dest="role", choices=("system", "raw"), default="system",
+                      help="system: each file as a chat's system message (default); raw: the text as is")
+    warm.add_argument("--json", action="store_true", help="one JSON object per file on stdout")
+    add_common_flags(warm, default=argparse.SUPPRESS)
+    warm.add_argument("--ctx", type=positive_int, help="context length in tokens (chosen for host and model)")
+    warm.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type (chosen for the host)")
 
     commands.add_parser("list", help="the model catalog and what is on disk")
     pull = commands.add_parser("pull", help="download a catalog model without running it")
@@ -257,7 +269,7 @@ def command_run(args: argparse.Namespace, values: dict[str, config.Value]) -> in
     params = sampling(values)
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, Engine(backend) as engine:
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
         templated = backend.has_chat_template and not args.raw
         if prompt is None:
             conversation = Conversation(engine, params, system=args.system)
@@ -281,7 +293,8 @@ def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool
 def stats_line(finish: FinishEvent) -> str:
     usage = finish.usage
     note = f" ({finish.message})" if finish.message else ""
-    return (f"prompt {usage.prompt_tokens} tokens, {usage.prompt_tokens_per_second:.1f} tok/s · "
+    cached = f" ({usage.cached_tokens} from cache)" if usage.cached_tokens else ""
+    return (f"prompt {usage.prompt_tokens} tokens{cached}, {usage.prompt_tokens_per_second:.1f} tok/s · "
             f"generated {usage.completion_tokens} tokens, {usage.decode_tokens_per_second:.1f} tok/s · "
             f"finish {finish.reason}{note}")
 
@@ -299,21 +312,31 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
         facts = backend.describe()
         log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
                  facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
-        return Engine(backend, max_queue=values["server.max_queue"].value,
-                      queue_timeout_s=values["server.queue_timeout_seconds"].value,
-                      prefill_chunk_tokens=values["server.prefill_chunk_tokens"].value).start()
+        return new_engine(backend, values, max_queue=values["server.max_queue"].value,
+                          queue_timeout_s=values["server.queue_timeout_seconds"].value,
+                          prefill_chunk_tokens=values["server.prefill_chunk_tokens"].value).start()
 
-    sessions = Sessions(cache_root() / "sessions" / settings.model_id, session_fingerprint(model))
+    sessions = Sessions(cache_root() / "sessions" / settings.model_id, model.kv_fingerprint())
     return serve(settings, load_engine, path.name, sessions)
 
 
-def session_fingerprint(model: ModelSettings) -> bytes:
-    """What a saved KV state depends on: the pinned library, the model file and the KV layout."""
-    path = Path(model.path)
-    with path.open("rb") as stream:
-        head = hashlib.sha256(stream.read(1 << 20)).hexdigest()
-    layout = (LLAMA_COMMIT, path.stat().st_size, head, model.n_ctx, model.n_seq_max, model.unified_kv, model.kv_type)
-    return repr(layout).encode()
+def new_engine(backend: LlamaBackend, values: dict[str, config.Value], **options: Any) -> Engine:
+    """An engine over `backend` with the prefix cache the settings ask for."""
+    return Engine(backend, cache=prefix_cache(values, backend.kv_fingerprint()), **options)
+
+
+def prefix_cache(values: dict[str, config.Value], fingerprint: bytes) -> PrefixCache | None:
+    if not values["cache.enabled"].value:
+        return None
+    directory = Path(values["cache.dir"].value).expanduser() if values["cache.dir"].value else cache_root() / "kv"
+    try:
+        return PrefixCache(fingerprint, directory, disk_budget_bytes=int(values["cache.disk_mb"].value * 2**20),
+                           ram_budget_bytes=int(values["cache.ram_mb"].value * 2**20),
+                           block_tokens=values["cache.block_tokens"].value,
+                           min_new_tokens=values["cache.min_new_tokens"].value,
+                           compress=values["cache.compress"].value)
+    except OSError as error:
+        raise ConfigError(f"cannot use the prefix cache directory {directory}: {error.strerror or error}") from None
 
 
 def server_settings(values: dict[str, config.Value], default_model_id: str) -> ServerSettings:
@@ -343,8 +366,43 @@ def command_config_mode(args: argparse.Namespace, values: dict[str, config.Value
     chosen = plan(values, path, entry)
     if args.serve:
         return serve_model(values, path, entry, chosen)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, Engine(backend) as engine:
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
         return answer_once(engine, args.prompt, sampling(values), args.quiet)
+
+
+def command_warm(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
+    """Prefill each file into the prefix cache; one line (or JSON object) per file on stdout."""
+    import json
+    if not values["cache.enabled"].value:
+        raise ConfigError("the prefix cache is off (cache.enabled = false): warming would keep nothing")
+    texts = [(name, read_prompt("-") if name == "-" else read_text_file(name)) for name in args.files]
+    path, entry = resolve_model(values["model.path"].value)
+    chosen = plan(values, path, entry)
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
+        for name, text in texts:
+            prompt = text
+            if args.role == "system" and backend.has_chat_template:
+                prompt = backend.apply_chat_template([{"role": "system", "content": text}], add_assistant=False)
+            usage = engine.generate(GenerationRequest(prompt, warm=True)).finish.usage
+            if args.json:
+                print(json.dumps({"file": name, "tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+                                  "seconds": round(usage.prompt_seconds, 3)}))
+            else:
+                print(f"{name}: {usage.prompt_tokens} tokens warmed in {usage.prompt_seconds:.2f} s "
+                      f"({usage.cached_tokens} were already cached)")
+    return EXIT_OK
+
+
+def read_text_file(name: str) -> str:
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read {name}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name} is not UTF-8 text") from None
+    if not text.strip():
+        raise ConfigError(f"{name} is empty")
+    return text
 
 
 def command_list() -> int:
@@ -393,11 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command_list()
         if args.command == "pull":
             return command_pull(args)
-        values = load_settings(args) if args.command == "run" or args.config else None
+        values = load_settings(args) if args.command in ("run", "warm") or args.config else None
         if values is not None and not quiet:
             configure_logging(LOG_LEVELS[values["logging.level"].value])
         if args.command == "run":
             return command_run(args, values)
+        if args.command == "warm":
+            return command_warm(args, values)
         if args.config:
             return command_config_mode(args, values)
         parser.print_help(sys.stderr)

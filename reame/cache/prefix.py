@@ -91,7 +91,7 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], better_than: int = 0) -> Snapshot | None:
         """The snapshot sharing the longest prefix with `tokens`, if it shares more than `better_than`."""
         keys = block_keys(self.fingerprint, tokens, self.block_tokens)
-        if not keys or len(keys) * self.block_tokens <= better_than:
+        if not keys or len(tokens) <= better_than:
             return None
         with self._lock:
             self._refresh_disk()
@@ -117,6 +117,18 @@ class PrefixCache:
         with self._lock:
             self._forget(snapshot_name(self.fingerprint, snapshot.tokens), from_disk=False)
 
+    def has(self, tokens: Sequence[int]) -> bool:
+        """Whether a snapshot of `tokens`, or of a longer prompt starting with them, is known."""
+        keys = block_keys(self.fingerprint, tokens, self.block_tokens)
+        with self._lock:
+            return self._covered(tokens, keys)
+
+    def _covered(self, tokens: Sequence[int], keys: list[bytes]) -> bool:
+        if snapshot_name(self.fingerprint, tokens) in self._known:
+            return True
+        related = self._by_block.get(keys[-1], set()) if keys else set()
+        return any(_is_prefix(tokens, self._known[other]) for other in related)
+
     def offer(self, snapshot: Snapshot) -> bool:
         """Keep a new snapshot unless one already covers it; drop those it covers. True if kept."""
         tokens = snapshot.tokens
@@ -125,8 +137,7 @@ class PrefixCache:
         if not keys:
             return False
         with self._lock:
-            related = self._by_block.get(keys[-1], set()) | self._by_block.get(keys[0], set())
-            if name in self._known or any(_is_prefix(tokens, self._known[other]) for other in related):
+            if self._covered(tokens, keys):
                 return False
             covered = {other for key in keys for other in self._by_block.get(key, ())
                        if _is_prefix(self._known[other], tokens)}

@@ -14,7 +14,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._help: dict[str, tuple[str, str]] = {}
-        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._gauges: dict[str, tuple[str, str, Callable[[], float]]] = {}
 
     def describe(self, name: str, kind: str, text: str) -> None:
         self._help[name] = (kind, text)
@@ -24,8 +24,9 @@ class Metrics:
         with self._lock:
             self._counters[key] += value
 
-    def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
-        self._gauges[name] = (text, read)
+    def gauge(self, name: str, text: str, read: Callable[[], float], kind: str = "gauge") -> None:
+        """A value read when /metrics is rendered; `kind` "counter" for totals kept elsewhere."""
+        self._gauges[name] = (kind, text, read)
 
     def render(self) -> str:
         lines: list[str] = []
@@ -39,8 +40,8 @@ class Metrics:
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
             label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
             lines.append(f"{name}{{{label_text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
-        for name, (text, read) in sorted(self._gauges.items()):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {_number(read())}"]
+        for name, (kind, text, read) in sorted(self._gauges.items()):
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_number(read())}"]
         return "\n".join(lines) + "\n"
 
 

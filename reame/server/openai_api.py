@@ -8,12 +8,14 @@ SDKs work unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
-from reame.engine import Engine, GenerationRequest, TokenEvent
+from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
@@ -22,6 +24,20 @@ from reame.server.shapes import Choice, Response, finish_reason
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
                                      sampling_params, stream_usage)
 
+CACHE_METRICS = {
+    "hits": "prefix cache lookups that found a snapshot",
+    "misses": "prefix cache lookups that found none",
+    "tokens_reused": "prompt tokens restored from the prefix cache instead of prefilled",
+    "snapshots_stored": "KV snapshots added to the prefix cache",
+    "bytes_read": "bytes of snapshot files read",
+    "bytes_written": "bytes of snapshot files written",
+    "evictions": "snapshot files removed to keep the disk budget",
+    "corrupt_dropped": "damaged snapshot files found and removed",
+    "restore_failed": "snapshots this context could not restore",
+    "writes_skipped": "snapshots not written (disk busy, full or too small a budget)",
+    "snapshots": "snapshots known (RAM and disk)",
+    "ram_bytes": "bytes of snapshots held in RAM",
+}
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -43,6 +59,14 @@ class App:
                            lambda: self.engine.load()[0] if self.engine else 0)
         self.metrics.gauge("reame_busy_slots", "sequence slots generating",
                            lambda: self.engine.load()[1] if self.engine else 0)
+        for name, text in CACHE_METRICS.items():
+            kind = "gauge" if name in ("snapshots", "ram_bytes") else "counter"
+            self.metrics.gauge(f"reame_prefix_cache_{name}" + ("_total" if kind == "counter" else ""), text,
+                               functools.partial(self.cache_stat, name), kind)
+
+    def cache_stat(self, name: str) -> int:
+        cache = self.engine.cache if self.engine is not None else None
+        return cache.stats()[name] if cache is not None else 0
 
     def count_response(self, status: int) -> None:
         self.metrics.add("reame_requests_total", status=str(status))
@@ -106,6 +130,52 @@ class App:
 
     def model_card(self) -> dict[str, Any]:
         return {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "reame"}
+
+    def warm(self, handler: Handler, _path: str) -> None:
+        """Prefill a prompt (or a chat's messages, without the assistant turn) into the prefix cache."""
+        self.require(handler, "POST")
+        fields = Fields(handler.read_json())
+        engine = self.ready_engine()
+        if "messages" in fields.body:
+            prompt: Any = engine.backend.apply_chat_template(chat_messages(fields.body["messages"]),
+                                                             add_assistant=False)
+        else:
+            prompts = completion_prompts(fields.body.get("prompt"))
+            if len(prompts) != 1:
+                raise HttpError(400, "warm one prompt per request", param="prompt", code="invalid_value")
+            prompt = prompts[0]
+        request = GenerationRequest(prompt, warm=True)
+        if engine.cache is None:
+            tokens = self.submit_checked(lambda: engine.prompt_tokens(request))
+            handler.send_json(200, {"object": "warm", "warmed": False, "tokens": len(tokens), "cached_tokens": 0,
+                                    "message": "the prefix cache is off on this server"})
+            return
+        handle = self.submit_checked(lambda: engine.submit(request))
+        finish = None
+        while finish is None:
+            try:
+                finish = next(event for event in handle.events(POLL_S) if isinstance(event, FinishEvent))
+            except queue.Empty:
+                if handler.client_gone():
+                    handle.cancel()
+                    handler.close_connection = True
+                    return
+        if finish.reason != "stop":
+            raise HttpError(503 if finish.reason == "timeout" else 500, finish.message or f"warming {finish.reason}",
+                            "server_error", "warm_failed")
+        usage = finish.usage
+        handler.send_json(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
+                                "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3)})
+
+    @staticmethod
+    def submit_checked(submit: Callable[[], Any]) -> Any:
+        """Run an engine call that validates a request; its refusals become 400 or 429."""
+        try:
+            return submit()
+        except RequestError as error:
+            raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
+        except OverloadedError as error:
+            raise HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"}) from None
 
     def tokenize(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -359,6 +429,7 @@ ROUTES = {
     "/v1/models": App.models,
     "/v1/completions": App.completions,
     "/v1/chat/completions": App.chat_completions,
+    "/v1/warm": App.warm,
     "/tokenize": App.tokenize,
     "/detokenize": App.detokenize,
 }

@@ -2,35 +2,34 @@
 
 A session holds the tokens its KV covers and the sequence state blob; a request
 that names it prefills only the tokens its prompt adds. `save` writes it to
-`<directory>/<id>.session` (magic, version, model fingerprint, tokens, blob,
-sha256; temp file, fsync, rename) so it survives a restart; `load` reads it
-back, refusing a file that is corrupt or belongs to another model or layout.
-Ids are letters, digits, `-` and `_` only: never a path.
+`<directory>/<id>.session` in the prefix cache's snapshot format (magic,
+version, model fingerprint, tokens, state, checksum; temp file, fsync, rename)
+so it survives a restart; `load` reads it back, refusing a file that is
+corrupt or belongs to another model or layout. Saved sessions are the user's
+data: unlike cache snapshots they are never evicted. Ids are letters, digits,
+`-` and `_` only: never a path.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import secrets
-import struct
 import threading
 from pathlib import Path
 
+from reame.cache.store import ForeignFingerprint, Snapshot, decode, encode, write_atomically
 from reame.engine import SessionState
+from reame.errors import CacheError
 from reame.server.http import HttpError
 
-MAGIC = b"REAMESES"
-VERSION = 1
-_HEADER = struct.Struct("<8sI32sQQ")  # magic, version, fingerprint, token count, blob size
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class Sessions:
     def __init__(self, directory: Path, fingerprint: bytes) -> None:
         self.directory = directory
-        self.fingerprint = hashlib.sha256(fingerprint).digest()
+        self.fingerprint = fingerprint if len(fingerprint) == 32 else hashlib.sha256(fingerprint).digest()
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionState] = {}
         self._busy: set[str] = set()
@@ -88,17 +87,9 @@ class Sessions:
 
     def save(self, session_id: str) -> None:
         session = self.get(session_id)
-        tokens, blob = list(session.tokens), session.blob
-        body = _HEADER.pack(MAGIC, VERSION, self.fingerprint, len(tokens), len(blob)) + \
-            struct.pack(f"<{len(tokens)}i", *tokens) + blob
+        data = encode(self.fingerprint, Snapshot(tuple(session.tokens), session.blob), compress=True)
         self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.path(session_id)
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with temporary.open("wb") as out:
-            out.write(body + hashlib.sha256(body).digest())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, target)
+        write_atomically(self.path(session_id), data)
 
     def load(self, session_id: str) -> None:
         path = self.path(session_id)
@@ -106,25 +97,16 @@ class Sessions:
             data = path.read_bytes()
         except FileNotFoundError:
             raise HttpError(404, f"no saved session {session_id}", param="session", code="session_not_found") from None
-        state = self._parse(data, session_id)
+        try:
+            saved = decode(data, self.fingerprint)
+        except ForeignFingerprint:
+            raise self._unusable(session_id, "it was saved by another model or context layout") from None
+        except CacheError as error:
+            raise self._unusable(session_id, f"the file is damaged ({error})") from None
         with self._lock:
-            self._sessions[session_id] = state
+            self._sessions[session_id] = SessionState(tokens=list(saved.tokens), blob=saved.blob)
 
-    def _parse(self, data: bytes, session_id: str) -> SessionState:
-        def corrupt(why: str) -> HttpError:
-            return HttpError(409, f"saved session {session_id} cannot be used: {why}", param="session",
-                             code="session_unusable")
-        if len(data) < _HEADER.size + 32:
-            raise corrupt("the file is truncated")
-        body, digest = data[:-32], data[-32:]
-        if hashlib.sha256(body).digest() != digest:
-            raise corrupt("its checksum does not match (the file is damaged)")
-        magic, version, fingerprint, n_tokens, n_blob = _HEADER.unpack_from(body)
-        if magic != MAGIC or version != VERSION:
-            raise corrupt("it is not a Reame session file of this version")
-        if fingerprint != self.fingerprint:
-            raise corrupt("it was saved by another model or context layout")
-        if len(body) != _HEADER.size + 4 * n_tokens + n_blob:
-            raise corrupt("its sizes do not add up")
-        tokens = list(struct.unpack_from(f"<{n_tokens}i", body, _HEADER.size))
-        return SessionState(tokens=tokens, blob=body[_HEADER.size + 4 * n_tokens:])
+    @staticmethod
+    def _unusable(session_id: str, why: str) -> HttpError:
+        return HttpError(409, f"saved session {session_id} cannot be used: {why}", param="session",
+                         code="session_unusable")

@@ -518,3 +518,53 @@ def test_the_fast_text_chunk_is_exactly_the_general_chunk(chat, text):
     from reame.server.shapes import Response
     response = Response(chat, "model-id")
     assert json.loads(response.text_chunk(3, text)) == response.chunk(3, text)
+
+
+@pytest.fixture
+def cached(tmp_path):
+    from reame.cache import PrefixCache
+    prefix_cache = PrefixCache(b"c" * 32, tmp_path / "kv", block_tokens=4, min_new_tokens=16)
+    with Engine(FakeBackend(n_ctx=1024, n_seq_max=2), cache=prefix_cache) as engine:
+        server = Live(engine)
+        yield server
+        server.close()
+
+
+DOC = "a document that many requests start with, long enough to be worth a snapshot. " * 3
+
+
+def test_warm_prefills_a_prompt_and_later_requests_report_it_cached(cached):
+    status, body = cached.json("POST", "/v1/warm", {"prompt": DOC})
+    assert status == 200 and body["warmed"] is True and body["tokens"] > 100 and body["cached_tokens"] == 0
+    cached.app.engine.backend.clear()  # as if the slots had moved on: only the cache holds it now
+    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
+    status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"][
+        "prompt_tokens"] - len("question?")
+    metrics = cached.request("GET", "/metrics")[1].decode()
+    assert "reame_prefix_cache_hits_total 1" in metrics
+    assert "reame_prefix_cache_snapshots_stored_total 1" in metrics
+    assert "# TYPE reame_prefix_cache_snapshots gauge" in metrics
+
+
+def test_warm_takes_chat_messages_as_the_prefix_of_a_later_chat(cached):
+    system = {"role": "system", "content": DOC}
+    status, warmed = cached.json("POST", "/v1/warm", {"messages": [system]})
+    assert status == 200 and warmed["warmed"] is True
+    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
+    cached.app.engine.backend.clear()
+    status, body = cached.json("POST", "/v1/chat/completions",
+                               {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == warmed["tokens"]
+
+
+@pytest.mark.parametrize("body,param", [({}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+                                        ({"messages": "x"}, "messages"), ({"prompt": ""}, "prompt")])
+def test_bad_warm_requests_are_400(cached, body, param):
+    status, answer = cached.json("POST", "/v1/warm", body)
+    assert status == 400 and answer["error"]["param"] == param
+
+
+def test_warm_without_a_cache_says_nothing_was_kept(live):
+    status, body = live.json("POST", "/v1/warm", {"prompt": "some text"})
+    assert status == 200 and body["warmed"] is False and body["tokens"] == len("some text") + 1
