@@ -3,12 +3,16 @@ share one real model (SmolLM2-135M, fetched once into ~/.cache/reame/models)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# Tests that run the CLI or a server get a prefix cache of their own, never the user's.
+os.environ.setdefault("REAME_CACHE_DIR", tempfile.mkdtemp(prefix="reame-test-kv-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -49,12 +49,13 @@ log = logging.getLogger("reame.engine")
 # A cached prefix is worth taking a slot for when it covers this much of the new prompt.
 MIN_REUSED_TOKENS = 2
 MIN_REUSED_SHARE = 0.1
-# From this length on, a prompt's last token is decoded in a batch of its own, after the rest. Any later
-# request that finds the rest in KV (slot reuse, session, prefix cache) decodes that token alone too, so
-# it computes exactly what the first request did: llama.cpp's numerics for one token in a batch of one
-# differ from those in a larger batch, and a repeated prompt would otherwise get another greedy answer.
-# The price is one extra decode step per such prompt (under 12% of its prefill time on the models here).
-SOLO_LAST_TOKEN_FROM = 64
+# A prompt with at least this many tokens to prefill has its last token decoded in a step of its own.
+# A repeat of that prompt finds all but the last token in KV (slot reuse, session, prefix cache) and
+# decodes it alone too, so it computes exactly what the first request did: llama.cpp's numerics for a
+# token alone differ from those of the same token in a larger batch, and a repeated prompt would
+# otherwise get another greedy answer. The price, one decode step, is under 12% of such a prefill here;
+# a short tail after a restored prefix is prefilled in one step, as a cold run of it would be.
+SOLO_LAST_TOKEN_PREFILL = 64
 
 
 class _Sequence:
@@ -74,6 +75,7 @@ class _Sequence:
         "sampler",
         "seq_id",
         "snapshot_at",
+        "solo_last",
         "stream",
     )
 
@@ -88,6 +90,7 @@ class _Sequence:
         self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
         self.cached = 0  # prompt tokens found in the KV instead of prefilled
         self.snapshot_at = -1  # KV length at which to snapshot the prompt into the prefix cache (-1: never)
+        self.solo_last = False  # decode the last prompt token in a step of its own (SOLO_LAST_TOKEN_PREFILL)
         self.max_tokens = max_tokens
         self.stream = TextStream(handle.request.params.stop)
         self.admitted_at = time.perf_counter()
@@ -289,7 +292,9 @@ class Engine:
                 backend.seq_rm(seq_id)
                 shared = 0
             sequence.n_fed = sequence.cached = shared
-            sequence.snapshot_at = self._snapshot_point(handle, shared)
+            sequence.solo_last = not handle.request.warm and \
+                len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
+            sequence.snapshot_at = self._snapshot_point(sequence)
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(seq_id)
@@ -298,18 +303,17 @@ class Engine:
         del self._idle[seq_id]  # only now: a failed start must not lose its slot
         return sequence
 
-    def _snapshot_point(self, handle: Handle, cached: int) -> int:
-        """Where this prompt's KV is snapshotted into the prefix cache (-1: never): when all but its
-        last token are in (see SOLO_LAST_TOKEN_FROM), if that took enough prefill work to be worth it.
-        A warm request is snapshotted whole, then ends."""
+    def _snapshot_point(self, sequence: _Sequence) -> int:
+        """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
+        token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
         cache = self.cache
-        prompt = handle.prompt_tokens
-        if cache is None or handle.request.session is not None:
+        request = sequence.handle.request
+        if cache is None or request.session is not None:
             return -1
-        if handle.request.warm:
-            return len(prompt) if not cache.has(prompt) else -1
-        end = len(prompt) - 1
-        return end if len(prompt) >= SOLO_LAST_TOKEN_FROM and end - cached >= cache.min_new_tokens else -1
+        if request.warm:
+            return len(sequence.prompt) if not cache.has(sequence.prompt) else -1
+        end = len(sequence.prompt) - 1
+        return end if sequence.solo_last and end - sequence.cached >= cache.min_new_tokens else -1
 
     def _reservation(self, handle: Handle) -> int:
         """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
@@ -381,7 +385,7 @@ class Engine:
             if sequence.next_token is not None or sequence.n_fed >= len(sequence.prompt) or budget <= 0:
                 continue
             end = len(sequence.prompt)
-            if end >= SOLO_LAST_TOKEN_FROM and sequence.n_fed < end - 1 and not sequence.handle.request.warm:
+            if sequence.solo_last and sequence.n_fed < end - 1:
                 end -= 1  # the last token goes alone, in a later step
             take = min(budget, end - sequence.n_fed)
             start = sequence.n_fed

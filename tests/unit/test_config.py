@@ -86,3 +86,11 @@ def test_unknown_environment_variable_is_ignored_with_a_hint(caplog, monkeypatch
     values = config.load(env={"REAME_MODEL_THREAD": "2", "REAME_HOME": "/x"})
     assert values["model.threads"].origin == "default"
     assert "REAME_MODEL_THREADS" in caplog.text
+
+
+def test_every_key_is_documented_with_its_environment_variable():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    from reame.config import KEYS
+    missing = [key.name for key in KEYS if f"| `{key.name}` | `{key.env_name}` |" not in text]
+    assert missing == []
