@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 from collections import Counter, OrderedDict
@@ -34,6 +35,7 @@ log = logging.getLogger("reame.cache")
 STATS = ("hits", "misses", "tokens_reused", "snapshots_stored", "bytes_read", "bytes_written", "evictions",
          "corrupt_dropped", "restore_failed", "writes_skipped")
 WRITE_QUEUE = 8
+WRITER_NICENESS = 10
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -238,6 +240,10 @@ class PrefixCache:
 
     def _write_loop(self) -> None:
         assert self._disk is not None
+        try:  # Linux nices threads one by one: the writer yields the cores to decoding
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._writes.get()
             if item is None:

@@ -54,10 +54,13 @@ RESCAN_WINDOW_NS = 2_000_000_000
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A sequence's KV state blob and the tokens it holds, in order."""
+    """A sequence's KV state blob and the tokens it holds, in order.
+
+    A blob read from disk is a writable view into the buffer the file was read into, so a
+    restore hands it to llama.cpp without another copy."""
 
     tokens: tuple[int, ...]
-    blob: bytes
+    blob: bytes | memoryview
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
@@ -75,8 +78,9 @@ def unpack_tokens(data: bytes) -> tuple[int, ...]:
     return tuple(values)
 
 
-def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
-    """The whole file for a snapshot; compressed only when a sample shows that it pays."""
+def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list[bytes | memoryview]:
+    """A snapshot's file as consecutive parts (the state is not copied); compressed only when a
+    sample shows that it pays."""
     blob = snapshot.blob
     codec, payload = CODEC_RAW, blob
     if compress and _compression_pays(blob):
@@ -84,20 +88,29 @@ def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
         packed = zstandard.ZstdCompressor(level=1).compress(blob)
         if len(packed) < len(blob) * COMPRESS_WORTH_RATIO:
             codec, payload = CODEC_ZSTD, packed
-    head = HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob))
-    body = b"".join((head, pack_tokens(snapshot.tokens), payload))
-    return body + TRAILER.pack(zlib.crc32(body))
+    parts = [HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob)),
+             pack_tokens(snapshot.tokens), payload]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return parts + [TRAILER.pack(crc)]
 
 
-def decode(data: bytes, fingerprint: bytes) -> Snapshot:
-    """Parse and verify a whole file; CacheError says what is wrong with it."""
+def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
+    """The whole file for a snapshot, in one piece."""
+    return b"".join(encode_parts(fingerprint, snapshot, compress))
+
+
+def decode(data: bytes | bytearray, fingerprint: bytes) -> Snapshot:
+    """Parse and verify a whole file; CacheError says what is wrong with it. The blob is a view into `data`."""
     n_tokens, codec, payload_size, raw_size = _parse_header(data[:HEADER.size], fingerprint)
     tokens_end = HEADER.size + 4 * n_tokens
     if len(data) != tokens_end + payload_size + TRAILER.size:
         raise CacheError("the file is truncated or has trailing bytes")
-    if zlib.crc32(memoryview(data)[:-TRAILER.size]) != TRAILER.unpack_from(data, len(data) - TRAILER.size)[0]:
+    view = memoryview(data)
+    if zlib.crc32(view[:-TRAILER.size]) != TRAILER.unpack_from(data, len(data) - TRAILER.size)[0]:
         raise CacheError("checksum mismatch")
-    payload = data[tokens_end:tokens_end + payload_size]
+    payload: bytes | memoryview = view[tokens_end:tokens_end + payload_size]
     if codec == CODEC_ZSTD:
         import zstandard
         try:
@@ -106,7 +119,7 @@ def decode(data: bytes, fingerprint: bytes) -> Snapshot:
             raise CacheError(f"cannot decompress: {error}") from None
     if len(payload) != raw_size:
         raise CacheError("the state has the wrong size")
-    return Snapshot(unpack_tokens(data[HEADER.size:tokens_end]), payload)
+    return Snapshot(unpack_tokens(bytes(view[HEADER.size:tokens_end])), payload)
 
 
 class ForeignFingerprint(CacheError):
@@ -134,12 +147,13 @@ def _compression_pays(blob: bytes) -> bool:
     return bool(sample) and len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * COMPRESS_WORTH_RATIO
 
 
-def write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
     """Temp file in the same directory, fsync, rename: readers see all of it or nothing."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with temporary.open("wb") as out:
-            out.write(data)
+            for part in parts:
+                out.write(part)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
@@ -197,7 +211,13 @@ class DiskStore:
         """The verified snapshot, or None (a damaged file is removed and counted)."""
         path = self.path(name)
         try:
-            data = path.read_bytes()
+            with path.open("rb") as stream:
+                data = bytearray(os.fstat(stream.fileno()).st_size)
+                if stream.readinto(data) != len(data):
+                    raise CacheError("the file shrank while it was read")
+        except CacheError as error:
+            self._drop_damaged(name, str(error))
+            return None
         except FileNotFoundError:
             self.entries.pop(name, None)
             return None
@@ -218,18 +238,19 @@ class DiskStore:
 
     def write(self, name: str, snapshot: Snapshot) -> bool:
         """Store a snapshot (False when it alone exceeds the budget or the disk refuses it)."""
-        data = encode(self.fingerprint, snapshot, self.compress)
-        if len(data) > self.budget_bytes:
+        parts = encode_parts(self.fingerprint, snapshot, self.compress)
+        size = sum(len(part) for part in parts)
+        if size > self.budget_bytes:
             return False
         try:
             with self._locked():
-                write_atomically(self.path(name), data)
+                write_atomically(self.path(name), parts)
                 self._enforce_budget()
         except OSError as error:
             log.warning("cannot write KV snapshot %s: %s", name, error.strerror or error)
             return False
         self.entries[name] = snapshot.tokens
-        self._count("bytes_written", len(data))
+        self._count("bytes_written", size)
         return True
 
     def remove(self, name: str) -> None:

@@ -80,8 +80,8 @@ class Backend(Protocol):
     def seq_keep(self, seq_id: int) -> None: ...
     def seq_pos_max(self, seq_id: int) -> int: ...
     def clear(self) -> None: ...
-    def seq_state_get(self, seq_id: int) -> bytes: ...
-    def seq_state_set(self, seq_id: int, blob: bytes) -> bool: ...
+    def seq_state_get(self, seq_id: int) -> bytes | memoryview: ...
+    def seq_state_set(self, seq_id: int, blob: bytes | memoryview) -> bool: ...
     def kv_fingerprint(self) -> bytes:
         """Names what a state blob depends on; the prefix cache and saved sessions are keyed by it."""
     def close(self) -> None: ...
@@ -295,10 +295,16 @@ class LlamaBackend:
     def _warm_up(self) -> None:
         """One throwaway decode at load, as llama.cpp's own tools do, so the first request does not pay
         for faulting in every page of the mapped weights and sizing the compute buffers (about 0.2 s
-        on Qwen2.5-Coder-1.5B here)."""
+        on Qwen2.5-Coder-1.5B here), with a greedy chain attached as a request's would be (its first
+        attachment reserves the sampling graph: another 40 ms)."""
         token = self.bos_token if self.bos_token >= 0 else 0
-        self.decode([token], [0], [0], [True])
-        self.clear()
+        sampler = self.new_sampler([Step("greedy", ())], 0)
+        try:
+            self.decode([token], [0], [0], [True])
+            self.sample(sampler, 0)
+        finally:
+            self.free_sampler(sampler)
+            self.clear()
 
     def _attach_threadpool(self, threads: int) -> int | None:
         """A persistent CPU threadpool for this context, as llama-server has.
@@ -533,20 +539,24 @@ class LlamaBackend:
     def clear(self) -> None:
         self._api.llama_memory_clear(self._memory, True)
 
-    def seq_state_get(self, seq_id: int) -> bytes:
+    def seq_state_get(self, seq_id: int) -> memoryview:
+        """The sequence's state, written by llama.cpp straight into the buffer returned (no copy)."""
         size = self._api.llama_state_seq_get_size(self._ctx, seq_id)
-        buffer = (ctypes.c_uint8 * size)()
-        written = self._api.llama_state_seq_get_data(self._ctx, buffer, size, seq_id)
-        return bytes(memoryview(buffer)[:written])
+        data = bytearray(size)
+        written = self._api.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(data), size,
+                                                     seq_id)
+        return memoryview(data)[:written]
 
     def kv_fingerprint(self) -> bytes:
         return self.settings.kv_fingerprint()
 
-    def seq_state_set(self, seq_id: int, blob: bytes) -> bool:
+    def seq_state_set(self, seq_id: int, blob: bytes | memoryview) -> bool:
         """Restore a sequence; False (never garbage) when the blob does not fit this context."""
         if not blob:
             return False
-        buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        array_type = ctypes.c_uint8 * len(blob)
+        writable = isinstance(blob, bytearray) or (isinstance(blob, memoryview) and not blob.readonly)
+        buffer = array_type.from_buffer(blob) if writable else array_type.from_buffer_copy(blob)
         return self._api.llama_state_seq_set_data(self._ctx, buffer, len(blob), seq_id) > 0
 
     def close(self) -> None:

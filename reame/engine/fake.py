@@ -293,9 +293,9 @@ class FakeBackend:
     def seq_state_get(self, seq_id: int) -> bytes:
         return json.dumps({"magic": STATE_MAGIC, "tokens": self._kv.get(seq_id, [])}).encode()
 
-    def seq_state_set(self, seq_id: int, blob: bytes) -> bool:
+    def seq_state_set(self, seq_id: int, blob: bytes | memoryview) -> bool:
         try:
-            state = json.loads(blob)
+            state = json.loads(bytes(blob))
         except (ValueError, UnicodeDecodeError):
             return False
         if not isinstance(state, dict) or state.get("magic") != STATE_MAGIC:

@@ -112,7 +112,7 @@ class SessionState:
     """
 
     tokens: list[int] = field(default_factory=list)
-    blob: bytes = b""
+    blob: bytes | memoryview = b""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from reame.cache.store import ForeignFingerprint, Snapshot, decode, encode, write_atomically
+from reame.cache.store import ForeignFingerprint, Snapshot, decode, encode_parts, write_atomically
 from reame.engine import SessionState
 from reame.errors import CacheError
 from reame.server.http import HttpError
@@ -87,9 +87,9 @@ class Sessions:
 
     def save(self, session_id: str) -> None:
         session = self.get(session_id)
-        data = encode(self.fingerprint, Snapshot(tuple(session.tokens), session.blob), compress=True)
+        parts = encode_parts(self.fingerprint, Snapshot(tuple(session.tokens), session.blob), compress=True)
         self.directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path(session_id), data)
+        write_atomically(self.path(session_id), parts)
 
     def load(self, session_id: str) -> None:
         path = self.path(session_id)
