@@ -24,8 +24,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from reame.cache.store import DiskStore, Snapshot, pack_tokens
@@ -35,7 +36,12 @@ log = logging.getLogger("reame.cache")
 STATS = ("hits", "misses", "tokens_reused", "snapshots_stored", "bytes_read", "bytes_written", "evictions",
          "corrupt_dropped", "restore_failed", "writes_skipped")
 WRITE_QUEUE = 8
-WRITER_NICENESS = 10
+WRITER_NICENESS = 19
+# While the engine computes, the writer waits between 4 MiB slices (even a niced thread that takes a
+# core for a moment stalls both of llama.cpp's threads, which meet at every graph node), at most this
+# long per snapshot before it writes anyway.
+MAX_WRITE_DEFERRAL_S = 30.0
+IDLE_POLL_S = 0.01
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -82,6 +88,7 @@ class PrefixCache:
         self._disk = DiskStore(directory, fingerprint, disk_budget_bytes, compress, self._add) \
             if directory is not None else None
         self._writes: queue.Queue[tuple[str, Snapshot | None] | None] = queue.Queue(WRITE_QUEUE)
+        self.engine_busy: Callable[[], bool] = lambda: False  # the engine sets it: is a decode running?
         self._writer: threading.Thread | None = None
         if self._disk is not None:
             self._index(self._disk.entries)
@@ -249,10 +256,15 @@ class PrefixCache:
             if item is None:
                 return
             name, snapshot = item
+            deadline = time.monotonic() + MAX_WRITE_DEFERRAL_S
+
+            def pause() -> None:
+                while self.engine_busy() and time.monotonic() < deadline:
+                    time.sleep(IDLE_POLL_S)
             try:
                 if snapshot is None:
                     self._disk.remove(name)
-                elif not self._disk.write(name, snapshot):
+                elif not self._disk.write(name, snapshot, pause):
                     self._add("writes_skipped", 1)
             except Exception:  # a failing disk loses a snapshot, never the writer
                 log.exception("KV snapshot write failed")

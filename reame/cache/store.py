@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import fcntl
 import logging
+import mmap
 import os
 import struct
 import sys
@@ -48,6 +49,7 @@ MAX_TOKENS = 1 << 24
 # (zstd gave 1.04-1.09x on real KV), and every compressed byte costs CPU on restore.
 COMPRESS_SAMPLE_BYTES = 1 << 20
 COMPRESS_WORTH_RATIO = 0.85
+WRITE_SLICE = 4 << 20
 # A directory changed this recently may change again within its mtime granularity: rescan.
 RESCAN_WINDOW_NS = 2_000_000_000
 
@@ -56,8 +58,8 @@ RESCAN_WINDOW_NS = 2_000_000_000
 class Snapshot:
     """A sequence's KV state blob and the tokens it holds, in order.
 
-    A blob read from disk is a writable view into the buffer the file was read into, so a
-    restore hands it to llama.cpp without another copy."""
+    A blob read from disk is a writable view of the file mapped copy-on-write, so a restore hands
+    it to llama.cpp without copying it first."""
 
     tokens: tuple[int, ...]
     blob: bytes | memoryview
@@ -79,8 +81,8 @@ def unpack_tokens(data: bytes) -> tuple[int, ...]:
 
 
 def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list[bytes | memoryview]:
-    """A snapshot's file as consecutive parts (the state is not copied); compressed only when a
-    sample shows that it pays."""
+    """A snapshot's file but its trailer, as consecutive parts (the state is not copied);
+    compressed only when a sample shows that it pays. `write_atomically` adds the trailer."""
     blob = snapshot.blob
     codec, payload = CODEC_RAW, blob
     if compress and _compression_pays(blob):
@@ -88,20 +90,17 @@ def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list
         packed = zstandard.ZstdCompressor(level=1).compress(blob)
         if len(packed) < len(blob) * COMPRESS_WORTH_RATIO:
             codec, payload = CODEC_ZSTD, packed
-    parts = [HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob)),
-             pack_tokens(snapshot.tokens), payload]
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return parts + [TRAILER.pack(crc)]
+    return [HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob)),
+            pack_tokens(snapshot.tokens), payload]
 
 
 def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
     """The whole file for a snapshot, in one piece."""
-    return b"".join(encode_parts(fingerprint, snapshot, compress))
+    body = b"".join(encode_parts(fingerprint, snapshot, compress))
+    return body + TRAILER.pack(zlib.crc32(body))
 
 
-def decode(data: bytes | bytearray, fingerprint: bytes) -> Snapshot:
+def decode(data: bytes | bytearray | mmap.mmap, fingerprint: bytes) -> Snapshot:
     """Parse and verify a whole file; CacheError says what is wrong with it. The blob is a view into `data`."""
     n_tokens, codec, payload_size, raw_size = _parse_header(data[:HEADER.size], fingerprint)
     tokens_end = HEADER.size + 4 * n_tokens
@@ -147,13 +146,23 @@ def _compression_pays(blob: bytes) -> bool:
     return bool(sample) and len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * COMPRESS_WORTH_RATIO
 
 
-def write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
-    """Temp file in the same directory, fsync, rename: readers see all of it or nothing."""
+def write_atomically(path: Path, parts: Sequence[bytes | memoryview], pause: Callable[[], None] = lambda: None) -> None:
+    """`parts` and their crc32 trailer to a temp file in the same directory, fsync, rename: readers see
+    all of it or nothing. `pause()` is called between slices of WRITE_SLICE bytes: it may sleep
+    while the cores are better spent elsewhere."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    crc = 0
     try:
         with temporary.open("wb") as out:
             for part in parts:
-                out.write(part)
+                view = memoryview(part).cast("B")
+                for start in range(0, len(view), WRITE_SLICE):
+                    pause()
+                    piece = view[start:start + WRITE_SLICE]
+                    crc = zlib.crc32(piece, crc)
+                    out.write(piece)
+            out.write(TRAILER.pack(crc))
+            pause()
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
@@ -211,13 +220,11 @@ class DiskStore:
         """The verified snapshot, or None (a damaged file is removed and counted)."""
         path = self.path(name)
         try:
+            # Mapped copy-on-write: the checksum and llama.cpp read the page cache directly, with no
+            # copy of the file. Files are only ever replaced by rename, never changed in place.
             with path.open("rb") as stream:
-                data = bytearray(os.fstat(stream.fileno()).st_size)
-                if stream.readinto(data) != len(data):
-                    raise CacheError("the file shrank while it was read")
-        except CacheError as error:
-            self._drop_damaged(name, str(error))
-            return None
+                size = os.fstat(stream.fileno()).st_size
+                data = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
         except FileNotFoundError:
             self.entries.pop(name, None)
             return None
@@ -236,15 +243,15 @@ class DiskStore:
             pass
         return snapshot
 
-    def write(self, name: str, snapshot: Snapshot) -> bool:
+    def write(self, name: str, snapshot: Snapshot, pause: Callable[[], None] = lambda: None) -> bool:
         """Store a snapshot (False when it alone exceeds the budget or the disk refuses it)."""
         parts = encode_parts(self.fingerprint, snapshot, self.compress)
-        size = sum(len(part) for part in parts)
+        size = sum(len(part) for part in parts) + TRAILER.size
         if size > self.budget_bytes:
             return False
         try:
             with self._locked():
-                write_atomically(self.path(name), parts)
+                write_atomically(self.path(name), parts, pause)
                 self._enforce_budget()
         except OSError as error:
             log.warning("cannot write KV snapshot %s: %s", name, error.strerror or error)

@@ -109,6 +109,8 @@ class Engine:
         `cache`: the prefix cache (the engine closes it)."""
         self.backend = backend
         self.cache = cache
+        if cache is not None:
+            cache.engine_busy = lambda: bool(self._active)  # its disk writer waits for the gaps
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
