@@ -108,7 +108,7 @@ class PrefixCache:
             ranked = sorted(((common_prefix(self._known[name], tokens), name) for name in candidates), reverse=True)
         for shared, name in ranked:
             if shared <= better_than:
-                break
+                return None  # what the engine already holds is as good: neither a hit nor a miss
             snapshot = self._fetch(name)
             if snapshot is not None:
                 self._add("hits", 1)
