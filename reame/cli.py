@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from reame import __version__, autoconfig, catalog, config, fetch
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.cache import PrefixCache
+from reame.speculative import PromptLookup, Speculation
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
@@ -294,8 +295,9 @@ def stats_line(finish: FinishEvent) -> str:
     usage = finish.usage
     note = f" ({finish.message})" if finish.message else ""
     cached = f" ({usage.cached_tokens} from cache)" if usage.cached_tokens else ""
+    drafts = f" ({usage.accepted_draft_tokens}/{usage.draft_tokens} drafts accepted)" if usage.draft_tokens else ""
     return (f"prompt {usage.prompt_tokens} tokens{cached}, {usage.prompt_tokens_per_second:.1f} tok/s · "
-            f"generated {usage.completion_tokens} tokens, {usage.decode_tokens_per_second:.1f} tok/s · "
+            f"generated {usage.completion_tokens} tokens{drafts}, {usage.decode_tokens_per_second:.1f} tok/s · "
             f"finish {finish.reason}{note}")
 
 
@@ -321,8 +323,12 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
 
 
 def new_engine(backend: LlamaBackend, values: dict[str, config.Value], **options: Any) -> Engine:
-    """An engine over `backend` with the prefix cache the settings ask for."""
-    return Engine(backend, cache=prefix_cache(values, backend.kv_fingerprint()), **options)
+    """An engine over `backend` with the prefix cache and speculation the settings ask for."""
+    speculation = Speculation(PromptLookup(values["speculative.lookup_max_ngram"].value,
+                                           values["speculative.lookup_min_ngram"].value),
+                              max_draft=values["speculative.max_draft_tokens"].value) \
+        if values["speculative.enabled"].value else None
+    return Engine(backend, cache=prefix_cache(values, backend.kv_fingerprint()), speculation=speculation, **options)
 
 
 def prefix_cache(values: dict[str, config.Value], fingerprint: bytes) -> PrefixCache | None:

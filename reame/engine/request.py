@@ -171,6 +171,8 @@ class Usage:
     prompt_seconds: float  # admission to first sampled token
     decode_seconds: float  # first sampled token to finish
     cached_tokens: int = 0  # prompt tokens found in the KV (slot reuse, session, prefix cache), not prefilled
+    draft_tokens: int = 0  # tokens speculative decoding proposed for this answer
+    accepted_draft_tokens: int = 0  # of which the model confirmed these
 
     @property
     def prompt_tokens_per_second(self) -> float:

@@ -43,6 +43,7 @@ from reame.engine.request import (
 from reame.engine.sampling import chain_steps, log_softmax_of
 from reame.engine.textstream import TextStream
 from reame.errors import ModelError, OverloadedError, RequestError
+from reame.speculative import DraftController, Drafter, Speculation
 
 log = logging.getLogger("reame.engine")
 
@@ -62,6 +63,10 @@ class _Sequence:
     """One admitted request while it holds a sequence slot."""
 
     __slots__ = (
+        "accepted_drafts",
+        "controller",
+        "drafted",
+        "drafter",
         "generated_tokens",
         "cached",
         "admission",
@@ -95,20 +100,27 @@ class _Sequence:
         self.stream = TextStream(handle.request.params.stop)
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
+        self.drafter: Drafter | None = None  # speculative decoding, when the request allows it
+        self.controller: DraftController | None = None
+        self.drafted = self.accepted_drafts = 0
 
 
 class Engine:
     """Owns a backend and the one thread that drives it."""
 
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
-                 prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None) -> None:
+                 prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
+                 speculation: Speculation | None = None) -> None:
         """`max_queue`: most requests waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
         `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
-        `cache`: the prefix cache (the engine closes it)."""
+        `cache`: the prefix cache (the engine closes it); `speculation`: draft and verify several
+        tokens per step where that pays (speculative/)."""
         self.backend = backend
         self.cache = cache
+        self.speculation = speculation if backend.supports_rollback else None
+        self._drafts_paused = False  # one step without drafts after the KV ran full with them
         if cache is not None:
             cache.engine_busy = lambda: bool(self._active)  # its disk writer waits for the gaps
         self.max_queue = max_queue
@@ -297,6 +309,11 @@ class Engine:
             sequence.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
             sequence.snapshot_at = self._snapshot_point(sequence)
+            spec = self.speculation
+            # A stateful chain (penalties) sampled in the graph sees one history for every row: no drafts.
+            if spec is not None and not handle.request.warm and not params.penalised:
+                sequence.drafter = spec.source.drafter(handle.prompt_tokens)
+                sequence.controller = spec.controller()
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(seq_id)
@@ -364,18 +381,25 @@ class Engine:
         positions: list[int] = []
         seq_ids: list[int] = []
         outputs: list[bool] = []
-        samplers: list[tuple[_Sequence, int]] = []
+        samplers: list[tuple[_Sequence, int, list[int]]] = []  # sequence, first output index, its drafts
+        decoding = []
         for sequence in list(self._active):
             if sequence.handle.cancelled:
                 self._finish(sequence, FINISH_CANCELLED)
             elif sequence.handle.request.warm and sequence.n_fed >= max(sequence.snapshot_at, 0):
                 self._finish(sequence, FINISH_STOP)  # prefilled and snapshotted: warming ends here
             elif sequence.next_token is not None:
-                samplers.append((sequence, len(tokens)))
-                tokens.append(sequence.next_token)
-                positions.append(sequence.n_fed)
-                seq_ids.append(sequence.seq_id)
-                outputs.append(True)
+                decoding.append(sequence)
+        drafted_here = len(decoding)  # tokens the step carries so far: what the draft controllers weigh
+        for sequence in decoding:
+            drafts = self._drafts(sequence, drafted_here) if sequence.drafter is not None else []
+            drafted_here += len(drafts)
+            samplers.append((sequence, len(tokens), drafts))
+            tokens.append(sequence.next_token)
+            tokens.extend(drafts)
+            positions.extend(range(sequence.n_fed, sequence.n_fed + 1 + len(drafts)))
+            seq_ids.extend([sequence.seq_id] * (1 + len(drafts)))
+            outputs.extend([True] * (1 + len(drafts)))
         # Prompts are fed beside the decoding sequences, at most `prefill_chunk_tokens` per step so
         # a long newcomer delays running streams by one chunk, never by its whole prompt. With no
         # stream to protect, a prompt takes the whole batch.
@@ -397,14 +421,18 @@ class Engine:
             outputs.extend([False] * take)
             if start + take == len(sequence.prompt) and not sequence.handle.request.warm:
                 outputs[-1] = True
-                samplers.append((sequence, len(tokens) - 1))
+                samplers.append((sequence, len(tokens) - 1, []))
             prefilled.append((sequence, take))
             budget -= take
         if not tokens:
             return
+        started = time.perf_counter()
         if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
-            # The shared context is full. First give up KV that idle slots keep for reuse;
-            # only when there is none does a running sequence give way (below).
+            # The shared context is full. Drafts go first (the next step runs without them), then the
+            # KV that idle slots keep for reuse; only then does a running sequence give way (below).
+            if drafted_here > len(decoding):
+                self._drafts_paused = True
+                return
             cached = [seq_id for seq_id, tokens in self._idle.items() if tokens]
             if cached:
                 largest = max(cached, key=lambda seq_id: len(self._idle[seq_id]))
@@ -420,15 +448,58 @@ class Engine:
             if sequence.n_fed == sequence.snapshot_at:
                 self.cache.offer(Snapshot(tuple(sequence.prompt[:sequence.n_fed]),
                                           backend.seq_state_get(sequence.seq_id)))
-        for sequence, index in samplers:
-            if sequence.next_token is not None:
-                sequence.n_fed += 1
-            token = backend.sample(sequence.sampler, index)
-            top = sequence.handle.request.logprobs
-            if top is None:
-                self._on_token(sequence, token)
-            else:
-                self._on_token(sequence, token, *log_softmax_of(backend.logits(index), token, top))
+        self._drafts_paused = False
+        for sequence, index, drafts in samplers:
+            self._verify(sequence, index, drafts)
+        if self.speculation is not None:
+            self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
+            self.speculation.stats.step(drafted_here > len(decoding))
+
+    def _drafts(self, sequence: _Sequence, batch_tokens: int) -> list[int]:
+        """Tokens to verify after the sequence's next one: as many as the controller finds worth it,
+        within its answer's and the context's room and the batch."""
+        assert sequence.drafter is not None and sequence.controller is not None and self.speculation is not None
+        if self._drafts_paused:
+            return []
+        room = min(sequence.max_tokens - len(sequence.generated_tokens) - 1,
+                   self.backend.n_ctx_seq - sequence.n_fed - 1,
+                   self.backend.n_batch - batch_tokens - 1)
+        if room <= 0:
+            return []
+        k = sequence.controller.draft_length(self.speculation.cost, batch_tokens)
+        return sequence.drafter.propose(min(k, room)) if k else []
+
+    def _verify(self, sequence: _Sequence, index: int, drafts: list[int]) -> None:
+        """Sample the sequence's outputs in order: drafts are accepted while the model's own choice
+        equals them; its first different choice (or the token after the last draft) ends the run.
+
+        Drafts put all their probability on one token, so Leviathan's rule (accept with p(d), else
+        draw from p without d) is exactly "draw from p, keep it if it is d": every emitted token is
+        a plain draw from the model with the request's chain, greedy or not.
+        """
+        backend = self.backend
+        top = sequence.handle.request.logprobs
+        chosen: list[tuple[int, tuple]] = []
+        for row in range(len(drafts) + 1):
+            token = backend.sample(sequence.sampler, index + row)
+            chosen.append((token, () if top is None else log_softmax_of(backend.logits(index + row), token, top)))
+            if row == len(drafts) or token != drafts[row]:
+                break
+        accepted = len(chosen) - 1
+        if sequence.next_token is not None:  # it and the accepted drafts are in the KV; the rest goes
+            sequence.n_fed += 1 + accepted
+            if accepted < len(drafts):
+                backend.seq_rm(sequence.seq_id, sequence.n_fed, -1)
+        if drafts:
+            assert sequence.controller is not None and self.speculation is not None
+            sequence.controller.verified(len(drafts), accepted)
+            self.speculation.verified(len(drafts), accepted)
+            sequence.drafted += len(drafts)
+            sequence.accepted_drafts += accepted
+        for token, logprobs in chosen:
+            self._on_token(sequence, token, *logprobs)
+            if sequence.next_token is None or sequence not in self._active:
+                break
 
     def _on_token(self, sequence: _Sequence, token: int, logprob: float | None = None,
                   top: tuple[tuple[int, float], ...] = ()) -> None:
@@ -440,6 +511,8 @@ class Engine:
             self._finish(sequence, FINISH_STOP)
             return
         sequence.generated_tokens.append(token)
+        if sequence.drafter is not None:
+            sequence.drafter.observe((token,))
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
@@ -463,7 +536,7 @@ class Engine:
         tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
         first = sequence.first_token_at or now
         usage = Usage(len(sequence.prompt), len(sequence.generated_tokens), first - sequence.admitted_at, now - first,
-                      sequence.cached)
+                      sequence.cached, sequence.drafted, sequence.accepted_drafts)
         self._active.remove(sequence)
         if not held:
             self.backend.seq_rm(sequence.seq_id)

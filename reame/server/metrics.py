@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
+
+
+class Sample(NamedTuple):
+    """One labelled value a collector reports when /metrics is rendered."""
+
+    name: str
+    kind: str  # counter | gauge
+    help: str
+    labels: dict[str, str]
+    value: float
 
 
 class Metrics:
@@ -15,6 +25,7 @@ class Metrics:
         self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._help: dict[str, tuple[str, str]] = {}
         self._gauges: dict[str, tuple[str, str, Callable[[], float]]] = {}
+        self._collectors: list[Callable[[], list[Sample]]] = []
 
     def describe(self, name: str, kind: str, text: str) -> None:
         self._help[name] = (kind, text)
@@ -27,6 +38,10 @@ class Metrics:
     def gauge(self, name: str, text: str, read: Callable[[], float], kind: str = "gauge") -> None:
         """A value read when /metrics is rendered; `kind` "counter" for totals kept elsewhere."""
         self._gauges[name] = (kind, text, read)
+
+    def collector(self, collect: Callable[[], list[Sample]]) -> None:
+        """Values kept elsewhere, with labels, read at each render."""
+        self._collectors.append(collect)
 
     def render(self) -> str:
         lines: list[str] = []
@@ -42,6 +57,14 @@ class Metrics:
             lines.append(f"{name}{{{label_text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
         for name, (kind, text, read) in sorted(self._gauges.items()):
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_number(read())}"]
+        for collect in self._collectors:
+            for sample in collect():
+                if sample.name not in seen:
+                    seen.add(sample.name)
+                    lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]
+                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
+                lines.append(f"{sample.name}{{{label_text}}} {_number(sample.value)}" if label_text
+                             else f"{sample.name} {_number(sample.value)}")
         return "\n".join(lines) + "\n"
 
 

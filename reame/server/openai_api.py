@@ -18,7 +18,7 @@ from typing import Any
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
-from reame.server.metrics import Metrics
+from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import Sessions
 from reame.server.shapes import Choice, Response, finish_reason
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
@@ -63,6 +63,31 @@ class App:
             kind = "gauge" if name in ("snapshots", "ram_bytes") else "counter"
             self.metrics.gauge(f"reame_prefix_cache_{name}" + ("_total" if kind == "counter" else ""), text,
                                functools.partial(self.cache_stat, name), kind)
+        self.metrics.collector(self.speculation_samples)
+
+    def speculation_samples(self) -> list[Sample]:
+        speculation = self.engine.speculation if self.engine is not None else None
+        if speculation is None:
+            return []
+        stats = speculation.stats.snapshot()
+        samples = []
+        for key, value in sorted(stats["counts"].items()):
+            what, _, source = key.partition(":")
+            if source:
+                samples.append(Sample(f"reame_spec_decode_{what}_total", "counter",
+                                      f"draft tokens {what}, by draft source", {"source": source}, value))
+            else:
+                kind = what.removeprefix("steps_")
+                samples.append(Sample("reame_spec_decode_steps_total", "counter",
+                                      "engine steps with and without drafts", {"kind": kind}, value))
+        for position, (drafted, accepted) in enumerate(zip(stats["drafted_at"], stats["accepted_at"])):
+            if position and drafted:
+                samples.append(Sample("reame_spec_decode_acceptance", "gauge",
+                                      "share of drafts at this position the model accepted",
+                                      {"position": str(position)}, accepted / drafted))
+        samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
+                              stats["last_draft_length"]))
+        return samples
 
     def cache_stat(self, name: str) -> int:
         cache = self.engine.cache if self.engine is not None else None

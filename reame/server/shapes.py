@@ -116,4 +116,9 @@ class Response:
                                   "total_tokens": prompt_tokens + completion}
         cached = sum(c.finish.usage.cached_tokens for c in choices if c.finish is not None)
         shaped["prompt_tokens_details"] = {"cached_tokens": cached}
+        drafted = sum(c.finish.usage.draft_tokens for c in choices if c.finish is not None)
+        accepted = sum(c.finish.usage.accepted_draft_tokens for c in choices if c.finish is not None)
+        # OpenAI's names for predicted-output tokens fit speculative drafts: proposed, then confirmed or not.
+        shaped["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                               "rejected_prediction_tokens": drafted - accepted}
         return shaped

@@ -1,0 +1,142 @@
+"""When speculation pays, measured on this machine: step costs, acceptance, draft length.
+
+A verification step feeds a sequence's next token plus k drafts in one
+decode. It yields E(k) = (1 - a^(k+1)) / (1 - a) tokens when each draft is
+accepted with probability a (Leviathan et al.), and costs T(n + k) instead of
+T(n), where T is the time of a step carrying n tokens. On a GPU, T is flat in
+small n and drafting is nearly free; on two CPU cores it is not, so both are
+measured:
+
+- `CostModel` fits T(n) = fixed + per_token * n to the engine's own steps,
+  forgetting old ones, so it follows the machine as it gets busier or quieter.
+- `DraftController` (one per sequence and source) keeps a forgetting estimate
+  of that sequence's acceptance and picks the k that maximises
+  E(k) * T(n) / T(n + k). When no k beats plain decoding it drafts nothing,
+  and after `REPROBE_STEPS` plain steps it tries a short draft again: one
+  user's free prose does not switch speculation off for another's extraction,
+  and a sequence whose text turns repetitive gets it back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+DECAY = 0.97  # weight kept by older cost observations, per step
+ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
+PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
+OPTIMISTIC_PER_TOKEN = 0.05  # assumed cost of a draft token (share of a step) before any is measured
+REPROBE_STEPS = 16
+PROBE_DRAFT = 2
+MIN_GAIN = 1.02  # below this expected speed-up, drafting is not worth its risk
+
+
+class CostModel:
+    """T(n) = fixed + per_token * n, fitted online to (tokens in step, seconds) pairs. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._w = self._n = self._nn = self._t = self._nt = 0.0
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._w = self._w * DECAY + 1.0
+            self._n = self._n * DECAY + n_tokens
+            self._nn = self._nn * DECAY + n_tokens * n_tokens
+            self._t = self._t * DECAY + seconds
+            self._nt = self._nt * DECAY + n_tokens * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, or None before any step was seen."""
+        with self._lock:
+            if self._w <= 0:
+                return None
+            mean_n, mean_t = self._n / self._w, self._t / self._w
+            spread = self._nn / self._w - mean_n * mean_n
+            if spread < 0.25:  # every step had about the same size: the slope is unknown yet
+                per_token = OPTIMISTIC_PER_TOKEN * mean_t
+            else:
+                per_token = max(0.0, (self._nt / self._w - mean_n * mean_t) / spread)
+            fixed = max(mean_t - per_token * mean_n, 1e-6)
+            return fixed, per_token
+
+    def step_seconds(self, n_tokens: int) -> float | None:
+        fit = self.coefficients()
+        return None if fit is None else fit[0] + fit[1] * n_tokens
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verification of k drafts yields: the accepted run plus the target's own token."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class DraftController:
+    """Draft length for one sequence and one source."""
+
+    def __init__(self, max_draft: int, prior: float | None = None) -> None:
+        self.max_draft = max_draft
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+        self._accepted = prior * weight if prior is not None else PRIOR_ACCEPTED
+        self._rejected = weight - self._accepted
+        self._plain_steps = 0
+        self.last_k = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    def draft_length(self, cost: CostModel, batch_tokens: int) -> int:
+        """How many tokens to draft in a step that already carries `batch_tokens`; 0 for a plain step."""
+        base = cost.step_seconds(batch_tokens)
+        if base is None:
+            return 0
+        best_k, best_gain = 0, MIN_GAIN
+        for k in range(1, self.max_draft + 1):
+            gain = expected_tokens(self.acceptance, k) * base / cost.step_seconds(batch_tokens + k)
+            if gain > best_gain:
+                best_k, best_gain = k, gain
+        if best_k == 0:
+            self._plain_steps += 1
+            if self._plain_steps >= REPROBE_STEPS:
+                self._plain_steps = 0
+                best_k = min(PROBE_DRAFT, self.max_draft)
+        self.last_k = best_k
+        return best_k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens accepted the first `accepted` of them."""
+        self._accepted = self._accepted * ACCEPTANCE_DECAY + accepted
+        self._rejected = self._rejected * ACCEPTANCE_DECAY + (1 if accepted < drafted else 0)
+        self._plain_steps = 0
+
+
+class SpeculationStats:
+    """Engine-wide counters for /metrics and the stats line. Thread-safe."""
+
+    def __init__(self, max_draft: int) -> None:
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()  # drafted/accepted per source, steps with and without drafts
+        self.accepted_at = [0] * (max_draft + 1)  # verifications whose draft i (1-based) was accepted
+        self.drafted_at = [0] * (max_draft + 1)
+        self.last_draft_length = 0
+
+    def verified(self, source: str, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.counts[f"drafted:{source}"] += drafted
+            self.counts[f"accepted:{source}"] += accepted
+            for position in range(1, drafted + 1):
+                self.drafted_at[position] += 1
+                if position <= accepted:
+                    self.accepted_at[position] += 1
+            self.last_draft_length = drafted
+
+    def step(self, speculative: bool) -> None:
+        with self._lock:
+            self.counts["steps_speculative" if speculative else "steps_plain"] += 1
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {"counts": dict(self.counts), "accepted_at": list(self.accepted_at),
+                    "drafted_at": list(self.drafted_at), "last_draft_length": self.last_draft_length}

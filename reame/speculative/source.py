@@ -1,0 +1,28 @@
+"""The protocol every draft source implements.
+
+A source makes one `Drafter` per sequence; the drafter sees every token the
+sequence holds (prompt, then each emitted token) and proposes the tokens it
+expects next. Deterministic sources (prompt lookup, the Palimpsest, Il
+Suggeritore, a greedy draft model) put all their probability on each proposed
+token, which is what makes verification exact with a plain draw from the
+target (see verify.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Drafter(Protocol):
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the sequence, in order."""
+
+    def propose(self, limit: int) -> list[int]:
+        """At most `limit` tokens expected to follow what was observed; [] when it has no idea."""
+
+
+class DraftSource(Protocol):
+    name: str
+
+    def drafter(self, prompt: Sequence[int]) -> Drafter: ...

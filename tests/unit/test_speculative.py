@@ -1,0 +1,216 @@
+"""Speculative decoding on FakeBackend: exact outputs, exact distribution, the controller's decisions."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule
+from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
+from reame.speculative.controller import REPROBE_STEPS, expected_tokens
+
+COPY_TEXT = "the cat sat on the mat and the dog sat on the log; "
+
+
+def copying_rule(history):
+    """Like an induction head: continue what followed the last occurrence of the last two tokens."""
+    for start in range(len(history) - 3, -1, -1):
+        if history[start:start + 2] == history[-2:]:
+            logits = [-math.inf] * N_VOCAB
+            logits[history[start + 2]] = 5.0
+            logits[ord("z")] = 0.0  # rarely, something new
+            return logits
+    return default_rule(history)
+
+
+class FrozenCost(CostModel):
+    """A machine where a draft token costs `per_token` of a step: lets a test force the controller's hand."""
+
+    def __init__(self, per_token: float = 0.0) -> None:
+        super().__init__()
+        self.per_token = per_token
+
+    def observe(self, n_tokens, seconds):
+        pass
+
+    def coefficients(self):
+        return 1.0, self.per_token
+
+
+def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule):
+    backend = FakeBackend(n_ctx=4096, n_seq_max=n_seq_max, n_batch=256, rule=rule)
+    with Engine(backend, speculation=speculation) as engine:
+        result = engine.generate(GenerationRequest(prompt, params))
+    return result, backend
+
+
+def test_prompt_lookup_follows_the_longest_then_most_recent_match():
+    lookup = PromptLookup(max_ngram=2, min_ngram=1)
+    assert lookup.drafter([1, 2, 3, 4, 2, 3]).propose(8) == [4, 2, 3]
+    assert PromptLookup(max_ngram=3).drafter([5, 1, 9, 1]).propose(8) == [9, 1]
+    drafter = lookup.drafter([7, 8, 9])
+    assert drafter.propose(4) == []
+    drafter.observe([7])
+    assert drafter.propose(2) == [8, 9]
+    assert drafter.propose(0) == []
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+
+@pytest.mark.parametrize("per_token", [0.0, 0.3])
+def test_greedy_output_is_identical_with_and_without_speculation(per_token):
+    plain, plain_backend = generate(COPY_TEXT * 3, GREEDY)
+    speculation = Speculation(PromptLookup(), max_draft=6, cost=FrozenCost(per_token))
+    fast, fast_backend = generate(COPY_TEXT * 3, GREEDY, speculation)
+    assert fast.tokens == plain.tokens
+    assert fast.finish.usage.accepted_draft_tokens > 60
+    assert len(fast_backend.decode_calls) < len(plain_backend.decode_calls) / 2
+    counts = speculation.stats.snapshot()["counts"]
+    assert counts["accepted:lookup"] == fast.finish.usage.accepted_draft_tokens
+
+
+def test_stop_strings_max_tokens_and_end_of_text_hold_inside_an_accepted_run():
+    speculation = Speculation(PromptLookup(), max_draft=8, cost=FrozenCost())
+    params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
+    result, _ = generate(COPY_TEXT * 3, params, speculation)
+    assert len(result.tokens) == 37
+    stopped, _ = generate(COPY_TEXT * 3, SamplingParams(temperature=0, max_tokens=200, stop=("dog",)),
+                          Speculation(PromptLookup(), max_draft=8, cost=FrozenCost()))
+    plain, _ = generate(COPY_TEXT * 3, SamplingParams(temperature=0, max_tokens=200, stop=("dog",)))
+    assert stopped.text == plain.text and "dog" not in stopped.text
+
+
+def test_several_sequences_speculate_in_one_batch_with_their_solo_outputs():
+    prompts = [COPY_TEXT * 2, "abc abd abe abc abd ", "one two one two one "]
+    solo = [generate(p, GREEDY)[0].tokens for p in prompts]
+    backend = FakeBackend(n_ctx=4096, n_seq_max=3, n_batch=256, rule=copying_rule)
+    engine = Engine(backend, speculation=Speculation(PromptLookup(), max_draft=4, cost=FrozenCost()))
+    handles = [engine.submit(GenerationRequest(p, GREEDY)) for p in prompts]
+    with engine:
+        together = [h.result(timeout_s=10).tokens for h in handles]
+    assert together == solo
+    assert any(len({seq for _, _, seq, _ in call}) == 3 and len(call) > 3 for call in backend.decode_calls)
+
+
+def test_the_kv_holds_exactly_the_emitted_tokens_after_rejections():
+    speculation = Speculation(PromptLookup(), max_draft=8, cost=FrozenCost())
+    prompt = COPY_TEXT + "zzz " + COPY_TEXT
+    backend = FakeBackend(n_ctx=4096, n_batch=256, rule=copying_rule)
+    with Engine(backend, speculation=speculation) as engine:
+        result = engine.generate(GenerationRequest(prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=80)))
+        held = backend.kv_tokens(0)
+    assert held == backend.tokenize(prompt) + result.tokens[:len(held) - len(backend.tokenize(prompt))]
+    assert len(held) >= len(backend.tokenize(prompt)) + len(result.tokens) - 1
+
+
+def fixed_distribution_rule(probabilities):
+    logits = [-math.inf] * N_VOCAB
+    for token, p in probabilities.items():
+        logits[token] = math.log(p)
+    return lambda history: logits
+
+
+class AlwaysDraft:
+    """A source that always proposes the same token: accepted with probability p(token)."""
+
+    name = "always"
+
+    def __init__(self, token):
+        self.token = token
+
+    def drafter(self, prompt):
+        token = self.token
+
+        class Drafter:
+            def observe(self, tokens):
+                pass
+
+            def propose(self, limit):
+                return [token] * limit
+        return Drafter()
+
+
+def test_sampled_output_follows_the_models_distribution_exactly():
+    """Chi-square goodness of fit of 6,000 speculated draws against p, with a fixed seed."""
+    p = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
+    speculation = Speculation(AlwaysDraft(ord("c")), max_draft=4, cost=FrozenCost())
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=2000, ignore_eos=True)
+    counts = Counter()
+    drafted = accepted = 0
+    for seed in range(3):
+        result, _ = generate("x", SamplingParams(**{**params.__dict__, "seed": seed}), speculation,
+                             rule=fixed_distribution_rule(p))
+        counts.update(result.tokens)
+        drafted += result.finish.usage.draft_tokens
+        accepted += result.finish.usage.accepted_draft_tokens
+    total = sum(counts.values())
+    chi_square = sum((counts[token] - total * share) ** 2 / (total * share) for token, share in p.items())
+    assert set(counts) == set(p) and total == 6000
+    assert chi_square < 13.8, f"chi-square {chi_square:.1f} (2 degrees of freedom, p = 0.001): {counts}"
+    first = speculation.stats.snapshot()
+    assert drafted > 3000 and accepted > 300
+    assert 0.17 < first["accepted_at"][1] / first["drafted_at"][1] < 0.23, "a first draft of c passes with p(c)"
+
+
+def test_sampled_output_with_speculation_always_accepting_would_fail_the_same_test():
+    """The test above has teeth: a verifier that keeps every draft shows c far too often."""
+    biased = Counter({ord("a"): 2000, ord("b"): 1200, ord("c"): 2800})
+    p = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
+    chi_square = sum((biased[t] - 6000 * s) ** 2 / (6000 * s) for t, s in p.items())
+    assert chi_square > 13.8
+
+
+def test_the_controller_switches_off_for_useless_drafts_and_back_on_when_they_pay():
+    cost = CostModel()
+    rng = random.Random(0)
+    for _ in range(50):  # a CPU: each extra token costs 30% of a step
+        n = rng.randint(1, 9)
+        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))
+    controller = DraftController(max_draft=8)
+    assert controller.draft_length(cost, 1) > 0, "a 0.6 acceptance prior pays"
+    for _ in range(6):
+        controller.verified(controller.draft_length(cost, 1) or 2, 0)
+    assert controller.draft_length(cost, 1) == 0, "nothing accepted: off"
+    lengths = [controller.draft_length(cost, 1) for _ in range(REPROBE_STEPS)]
+    assert sorted(lengths) == [0] * (REPROBE_STEPS - 1) + [2], "re-probed once: never off for good"
+    for _ in range(8):
+        k = controller.draft_length(cost, 1) or 2
+        controller.verified(k, k)
+    assert controller.draft_length(cost, 1) >= 4, "drafts that all pass earn longer drafts"
+
+
+def test_expected_tokens_and_the_cost_fit():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    cost = CostModel()
+    assert cost.step_seconds(3) is None
+    for n in (1, 2, 4, 8) * 5:
+        cost.observe(n, 0.01 + 0.002 * n)
+    fixed, per_token = cost.coefficients()
+    assert fixed == pytest.approx(0.01, rel=1e-6) and per_token == pytest.approx(0.002, rel=1e-6)
+
+
+def test_penalised_requests_do_not_speculate():
+    speculation = Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())
+    params = SamplingParams(temperature=0, max_tokens=40, repeat_penalty=1.1, ignore_eos=True)
+    result, _ = generate(COPY_TEXT * 2, params, speculation)
+    assert result.finish.usage.draft_tokens == 0
+    assert result.tokens == generate(COPY_TEXT * 2, params)[0].tokens
+
+
+def test_an_end_of_text_inside_drafts_ends_the_answer_like_plain_decoding():
+    def ends_after_cat(history):
+        logits = copying_rule(history)
+        if bytes(t for t in history[-3:] if t < 256) == b"cat":
+            logits = [-math.inf] * N_VOCAB
+            logits[EOS] = 1.0
+        return logits
+    prompt = "a cat, a cat, a ca"
+    plain, _ = generate(prompt, SamplingParams(temperature=0, max_tokens=50), rule=ends_after_cat)
+    fast, _ = generate(prompt, SamplingParams(temperature=0, max_tokens=50),
+                       Speculation(PromptLookup(), max_draft=6, cost=FrozenCost()), rule=ends_after_cat)
+    assert fast.tokens == plain.tokens and fast.finish.reason == plain.finish.reason == "stop"
