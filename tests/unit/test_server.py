@@ -83,7 +83,9 @@ def test_completion_shape_and_usage(live, engine):
     choice = body["choices"][0]
     assert set(choice) == {"text", "index", "logprobs", "finish_reason"} and choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0},
+                             "completion_tokens_details": {"accepted_prediction_tokens": 0,
+                                                           "rejected_prediction_tokens": 0}}
     again = live.json("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 5, "temperature": 0,
                                                   "ignore_eos": True})[1]
     assert again["choices"][0]["text"] == choice["text"]
@@ -568,3 +570,22 @@ def test_bad_warm_requests_are_400(cached, body, param):
 def test_warm_without_a_cache_says_nothing_was_kept(live):
     status, body = live.json("POST", "/v1/warm", {"prompt": "some text"})
     assert status == 200 and body["warmed"] is False and body["tokens"] == len("some text") + 1
+
+
+def test_speculation_shows_in_usage_and_metrics():
+    from reame.speculative import PromptLookup, Speculation
+    from tests.unit.test_speculative import COPY_TEXT, FrozenCost, copying_rule
+    speculation = Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())
+    with Engine(FakeBackend(n_ctx=2048, rule=copying_rule), speculation=speculation) as engine:
+        server = Live(engine)
+        try:
+            status, body = server.json("POST", "/v1/completions", {"prompt": COPY_TEXT * 2, "max_tokens": 40,
+                                                                   "temperature": 0, "ignore_eos": True})
+            details = body["usage"]["completion_tokens_details"]
+            assert status == 200 and details["accepted_prediction_tokens"] > 20
+            metrics = server.request("GET", "/metrics")[1].decode()
+        finally:
+            server.close()
+    assert f'reame_spec_decode_accepted_total{{source="lookup"}} {details["accepted_prediction_tokens"]}' in metrics
+    assert 'reame_spec_decode_steps_total{kind="speculative"}' in metrics
+    assert 'reame_spec_decode_acceptance{position="1"}' in metrics
