@@ -286,8 +286,11 @@ class Engine:
         params = handle.request.params
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
         seq_id, shared = self._pick_slot(handle.prompt_tokens)
-        # Logprobs need the logits on the CPU: such a chain samples there instead of in the graph.
-        sampler = backend.new_sampler(steps, seq_id if handle.request.logprobs is None else None)
+        speculate = self.speculation is not None and not handle.request.warm
+        # Sampling inside the graph draws one token per sequence and step: logprobs, and the several
+        # draws a speculative step verifies, need the chain to sample on the CPU instead.
+        on_cpu = handle.request.logprobs is not None or speculate
+        sampler = backend.new_sampler(steps, None if on_cpu else seq_id)
         try:
             if params.penalised:
                 window = handle.prompt_tokens if params.repeat_last_n < 0 else \
@@ -309,11 +312,10 @@ class Engine:
             sequence.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
             sequence.snapshot_at = self._snapshot_point(sequence)
-            spec = self.speculation
-            # A stateful chain (penalties) sampled in the graph sees one history for every row: no drafts.
-            if spec is not None and not handle.request.warm and not params.penalised:
-                sequence.drafter = spec.source.drafter(handle.prompt_tokens)
-                sequence.controller = spec.controller()
+            if speculate:
+                assert self.speculation is not None
+                sequence.drafter = self.speculation.source.drafter(handle.prompt_tokens)
+                sequence.controller = self.speculation.controller()
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(seq_id)

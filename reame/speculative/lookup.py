@@ -17,7 +17,7 @@ class PromptLookup:
 
     name = "lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         self.max_ngram = max(1, max_ngram)
         self.min_ngram = min(max(1, min_ngram), self.max_ngram)
 
