@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Speculative decoding on three kinds of work: Reame off / prompt lookup vs llama-server plain / ngram-simple.
+
+    python bench/speculative.py                          # Qwen2.5-Coder-1.5B, 120 tokens, 3 reps
+    python bench/speculative.py --model smollm2-135m
+
+Four servers from the same pinned build, model and threads run side by side,
+one request at a time, in rotating order: Reame with speculation off
+(`REAME_SPECULATIVE_ENABLED=0`), Reame as configured by default (prompt
+lookup under its controller), llama-server plain, and llama-server with
+`--spec-type ngram-simple`. Each streams a greedy chat answer of a fixed
+length (end of text ignored); decode tok/s is measured by the client between
+the first and the last streamed token. Tasks: (a) a copy-heavy JSON edit,
+(b) a code edit, (c) free prose. Ratios are against the same server family's
+plain mode, per rep, and their median is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, llama_tool, machine, model_path, print_table
+from server import free_port, wait_ready
+
+from reame.native import LLAMA_COMMIT
+
+RECORDS = [{"id": i, "name": name, "team": team, "status": "open", "priority": 1 + i % 3}
+           for i, (name, team) in enumerate([("login page", "web"), ("export csv", "data"), ("dark mode", "web"),
+                                             ("rate limits", "api"), ("audit log", "security"),
+                                             ("search index", "data"), ("retry queue", "api")])]
+TASKS = {
+    "a: JSON edit (copy-heavy)": "Here is a JSON list:\n" + json.dumps(RECORDS, indent=2) +
+    "\n\nReturn the same JSON list with every \"status\" changed to \"done\". Output only the JSON.",
+    "b: code edit": "Add a docstring to each function below and return the whole file, otherwise unchanged.\n\n"
+    "def parse_line(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n\n\n"
+    "def parse_file(path):\n    entries = {}\n    with open(path) as stream:\n        for line in stream:\n"
+    "            if line.strip() and not line.startswith('#'):\n                key, value = parse_line(line)\n"
+    "                entries[key] = value\n    return entries\n\n\n"
+    "def write_file(path, entries):\n    with open(path, 'w') as stream:\n        for key, value in entries.items():\n"
+    "            stream.write(f'{key} = {value}\\n')\n",
+    "c: free prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+SERVERS = ("reame off", "reame lookup", "llama-server", "llama-server ngram-simple")
+
+
+def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
+    """Decode tok/s of one streamed greedy chat answer, measured between its first and last token."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": n_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    first = last = 0.0
+    tokens = 0
+    for raw in connection.getresponse():
+        line = raw.strip()
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+            last = time.perf_counter()
+            first = first or last
+    connection.close()
+    return (tokens - 1) / (last - first) if last > first else 0.0
+
+
+def start(name: str, path: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    if name.startswith("reame"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_SPECULATIVE_ENABLED="0" if name == "reame off" else "1")
+        command = [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
+                   str(args.threads), "--ctx", "4096", "--parallel", "1", "-q"]
+    else:
+        env = dict(os.environ)
+        command = [str(llama_tool("llama-server")), "-m", path, "-t", str(args.threads), "-c", "4096", "-np", "1",
+                   "--port", str(port), "--host", "127.0.0.1"]
+        if name.endswith("ngram-simple"):
+            command += ["--spec-type", "ngram-simple"]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=120)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    path = str(model_path(args.model))
+    servers = {name: start(name, path, args) for name in SERVERS}
+    speeds: dict[tuple[str, str], list[float]] = {}
+    try:
+        for name, (process, port) in servers.items():
+            wait_ready(port, process, timeout_s=300)
+            stream_chat(port, "Say hello.", 8)
+        for rep in range(args.reps):
+            for task, prompt in TASKS.items():
+                order = SERVERS[rep % len(SERVERS):] + SERVERS[:rep % len(SERVERS)]
+                for name in order:
+                    speeds.setdefault((task, name), []).append(stream_chat(servers[name][1], prompt, args.tokens))
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(60)
+    rows = []
+    for task in TASKS:
+        for name in SERVERS:
+            plain = "reame off" if name.startswith("reame") else "llama-server"
+            ratios = [fast / base for fast, base in zip(speeds[(task, name)], speeds[(task, plain)])]
+            values = speeds[(task, name)]
+            rows.append([task, name, f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})",
+                         f"{statistics.median(ratios):.2f}"])
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
+          f"{args.tokens} tokens, greedy · reps {args.reps}\n")
+    print_table(["task", "server", "decode tok/s", "vs its plain (paired median)"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Speculative decoding on the real model: the same greedy answer, with drafts accepted."""
+
+from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine.backend import LlamaBackend
+from reame.speculative import CostModel, PromptLookup, Speculation
+
+from .conftest import settings_for
+from .test_cli_real import reame
+
+REWRITE = """Rewrite the following code, renaming the variable `total` to `sum_of_values` everywhere, and change nothing else:
+
+def average(values):
+    total = 0
+    count = 0
+    for value in values:
+        total += value
+        count += 1
+    if count == 0:
+        return 0
+    return total / count
+"""
+
+
+def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,)):
+    with LlamaBackend(settings_for(path, n_seq_max=n_seq_max)) as backend:
+        engine = Engine(backend, speculation=speculation)
+        chats = [backend.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
+        handles = [engine.submit(GenerationRequest(chat, SamplingParams(temperature=0, max_tokens=100)))
+                   for chat in chats]
+        with engine:
+            return [handle.result(timeout_s=300) for handle in handles]
+
+
+class FreeDrafts(CostModel):
+    """Tells the controller drafts cost nothing, so every lookup hit is verified: the most exposure."""
+
+    def step_seconds(self, n_tokens):
+        return 1.0
+
+
+def test_greedy_answer_is_identical_with_prompt_lookup_and_drafts_are_accepted(native_libraries, smollm2_path):
+    (plain,) = answer(smollm2_path, None)
+    speculation = Speculation(PromptLookup(), max_draft=8, cost=FreeDrafts())
+    (fast,) = answer(smollm2_path, speculation)
+    assert fast.tokens == plain.tokens
+    assert fast.finish.usage.draft_tokens > 20 and fast.finish.usage.accepted_draft_tokens > 5
+    assert speculation.stats.snapshot()["counts"]["steps_speculative"] > 0
+
+
+def test_sampled_speculation_runs_beside_other_sequences(native_libraries, smollm2_path):
+    prompts = (REWRITE, "Write a haiku about the sea.", REWRITE.replace("total", "acc"))
+    results = answer(smollm2_path, Speculation(PromptLookup(), max_draft=8), n_seq_max=3, prompts=prompts)
+    assert all(r.finish.reason in ("stop", "length") and r.text.strip() for r in results)
+    assert "def average" in results[0].text
+
+
+def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
+    result = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE)
+    assert result.returncode == 0, result.stderr
+    assert "drafts accepted" in result.stderr
+    off = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE,
+                env={"REAME_SPECULATIVE_ENABLED": "0"})
+    assert off.stdout == result.stdout and "drafts accepted" not in off.stderr
