@@ -26,8 +26,9 @@ from collections import Counter
 COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
-REPROBE_STEPS = 16
-PROBE_DRAFT = 2
+PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
+REPROBE_STEPS = 32
+PROBE_DRAFT = 1
 MIN_GAIN = 1.02  # below this expected speed-up, drafting is not worth its risk
 
 
@@ -37,8 +38,9 @@ class CostModel:
     Kept per n as a moving average, because on a CPU the curve is lumpy, not linear: here
     Qwen2.5-Coder-1.5B took 41 ms for one token, 61 for two, 76 for four and 163 for eight
     (`llama-bench -p 1,2,4,8`): matrix kernels work in tiles of rows. A size never measured is
-    assumed to cost what the nearest smaller measured size costs, so the controller tries it once,
-    and from then on knows.
+    estimated from a line through the measured ones (with one size known, each extra token is
+    assumed to cost PRIOR_SLOPE of it), so the controller reaches for longer drafts only as far
+    as what it has seen justifies, and learns each size's real cost when it first uses it.
     """
 
     def __init__(self) -> None:
@@ -51,15 +53,22 @@ class CostModel:
             self._seconds[n_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 
     def step_seconds(self, n_tokens: int) -> float | None:
-        """Measured, or optimistic for an untried size; None before any step was seen."""
+        """Measured, or estimated for an untried size; None before any step was seen."""
         with self._lock:
             known = self._seconds.get(n_tokens)
-            if known is not None:
+            if known is not None or not self._seconds:
                 return known
-            smaller = [n for n in self._seconds if n < n_tokens]
-            if smaller:
-                return self._seconds[max(smaller)]
-            return min(self._seconds.values()) if self._seconds else None
+            sizes = sorted(self._seconds)
+            if len(sizes) == 1:
+                fixed_n = sizes[0]
+                return self._seconds[fixed_n] * (1 + PRIOR_SLOPE * (n_tokens - fixed_n))
+            mean_n = sum(sizes) / len(sizes)
+            mean_t = sum(self._seconds[n] for n in sizes) / len(sizes)
+            slope = sum((n - mean_n) * (self._seconds[n] - mean_t) for n in sizes) / \
+                sum((n - mean_n) ** 2 for n in sizes)
+            estimate = mean_t + max(slope, 0.0) * (n_tokens - mean_n)
+            below = [self._seconds[n] for n in sizes if n < n_tokens]
+            return max([estimate] + below[-1:])  # never cheaper than a smaller size already measured
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
