@@ -290,21 +290,6 @@ class LlamaBackend:
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
         self._eog_list: list[int] | None = None
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        """One throwaway decode at load, as llama.cpp's own tools do, so the first request does not pay
-        for faulting in every page of the mapped weights and sizing the compute buffers (about 0.2 s
-        on Qwen2.5-Coder-1.5B here), with a greedy chain attached as a request's would be (its first
-        attachment reserves the sampling graph: another 40 ms)."""
-        token = self.bos_token if self.bos_token >= 0 else 0
-        sampler = self.new_sampler([Step("greedy", ())], 0)
-        try:
-            self.decode([token], [0], [0], [True])
-            self.sample(sampler, 0)
-        finally:
-            self.free_sampler(sampler)
-            self.clear()
 
     def _attach_threadpool(self, threads: int) -> int | None:
         """A persistent CPU threadpool for this context, as llama-server has.
