@@ -26,6 +26,7 @@ from collections import Counter
 COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
+MODELLED_TOKENS = 64  # steps up to this size feed the cost model
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
 REPROBE_STEPS = 32
 PROBE_DRAFT = 1
@@ -48,6 +49,8 @@ class CostModel:
         self._seconds: dict[int, float] = {}
 
     def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens > MODELLED_TOKENS or seconds <= 0:
+            return  # a long prefill step says little about the small steps drafts make
         with self._lock:
             known = self._seconds.get(n_tokens)
             self._seconds[n_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
@@ -59,16 +62,18 @@ class CostModel:
             if known is not None or not self._seconds:
                 return known
             sizes = sorted(self._seconds)
+            smallest = sizes[0]
+            if n_tokens < smallest:  # below everything measured: at least proportionally cheaper
+                return self._seconds[smallest] * n_tokens / smallest
             if len(sizes) == 1:
-                fixed_n = sizes[0]
-                return self._seconds[fixed_n] * (1 + PRIOR_SLOPE * (n_tokens - fixed_n))
+                return self._seconds[smallest] * (1 + PRIOR_SLOPE * (n_tokens - smallest))
             mean_n = sum(sizes) / len(sizes)
             mean_t = sum(self._seconds[n] for n in sizes) / len(sizes)
             slope = sum((n - mean_n) * (self._seconds[n] - mean_t) for n in sizes) / \
                 sum((n - mean_n) ** 2 for n in sizes)
             estimate = mean_t + max(slope, 0.0) * (n_tokens - mean_n)
-            below = [self._seconds[n] for n in sizes if n < n_tokens]
-            return max([estimate] + below[-1:])  # never cheaper than a smaller size already measured
+            below = max(self._seconds[n] for n in sizes if n < n_tokens)
+            return max(estimate, below)  # never cheaper than a smaller size already measured
 
 
 def expected_tokens(acceptance: float, k: int) -> float:

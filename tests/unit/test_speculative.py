@@ -195,6 +195,17 @@ def test_expected_tokens_and_the_measured_step_costs():
     assert cost.step_seconds(1) == 0.04
 
 
+def test_costs_below_every_measured_size_and_long_prefills_stay_sane():
+    """The first decode after a short prompt knows only the prompt's step: no zero, no negative cost."""
+    for prompt_tokens in (2, 3, 9, 40):
+        cost = CostModel()
+        cost.observe(prompt_tokens, 0.3)
+        cost.observe(500, 9.0)  # a long prefill is not modelled
+        assert all(cost.step_seconds(n) > 0 for n in range(1, 40))
+        assert DraftController(max_draft=16).draft_length(cost, 1) >= 0
+    assert CostModel().step_seconds(1) is None
+
+
 def test_penalised_requests_speculate_with_their_penalties_applied_token_by_token():
     """The chain samples on the CPU and records each draw before the next one, as without drafts."""
     speculation = Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())
