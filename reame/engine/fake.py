@@ -303,6 +303,9 @@ class FakeBackend:
         self._kv[seq_id] = list(state["tokens"])
         return True
 
+    def warm_up(self) -> None:
+        pass
+
     def kv_fingerprint(self) -> bytes:
         return hashlib.sha256(f"{STATE_MAGIC}/{getattr(self.rule, '__name__', 'rule')}".encode()).digest()
 

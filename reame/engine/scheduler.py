@@ -224,6 +224,10 @@ class Engine:
     # --- engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.backend.warm_up()  # here, on the thread that will decode (see LlamaBackend.warm_up)
+        except Exception:
+            log.exception("warm-up decode failed")
         inbox = self._inbox
         while True:
             if not self._active and not self._waiting:

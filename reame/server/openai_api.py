@@ -328,6 +328,12 @@ class App:
         seed = fields.integer("seed", None, 0, 2**32 - 2)
         reserved = self.session_for(fields, n, prompts)
         session = reserved[1] if reserved else None
+
+        def release_session() -> None:
+            # As soon as every choice has finished (the engine has stored the session's state), not
+            # after the answer is written: a client's next turn may arrive before this thread returns.
+            if reserved:
+                self.ready_sessions().release(reserved[0])
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
             handles = []
@@ -353,19 +359,18 @@ class App:
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
                                 else None)
             if stream:
-                self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage)
+                self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage, release_session)
             else:
-                self.collect(handler, response, sink, handles, echoes, prompt_tokens)
+                self.collect(handler, response, sink, handles, echoes, prompt_tokens, release_session)
         finally:
-            if reserved:
-                self.ready_sessions().release(reserved[0])
+            release_session()
 
     @staticmethod
     def echo_text(engine: Engine, prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
 
     def collect(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
-                echoes: list[str], prompt_tokens: int) -> None:
+                echoes: list[str], prompt_tokens: int, finished: Callable[[], None]) -> None:
         choices = [Choice(pieces=[echo]) for echo in echoes]
         remaining = len(handles)
         checked = time.monotonic()
@@ -390,6 +395,7 @@ class App:
             else:
                 choices[tag].finish = event
                 remaining -= 1
+        finished()
         self.account(choices)
         if any(c.finish and c.finish.reason == "timeout" for c in choices):
             raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
@@ -400,7 +406,7 @@ class App:
         handler.send_json(200, response.whole(choices, prompt_tokens))
 
     def stream(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
-               echoes: list[str], prompt_tokens: int, include_usage: bool) -> None:
+               echoes: list[str], prompt_tokens: int, include_usage: bool, finished: Callable[[], None]) -> None:
         handler.start_sse()
         choices = [Choice() for _ in handles]
         try:
@@ -423,6 +429,8 @@ class App:
                     continue
                 choice.finish = event
                 remaining -= 1
+                if not remaining:
+                    finished()
                 if event.reason in ("error", "timeout"):
                     handler.send_event({"error": {"message": event.message, "type": "server_error", "param": None,
                                                   "code": "generation_failed" if event.reason == "error"

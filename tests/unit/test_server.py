@@ -589,3 +589,29 @@ def test_speculation_shows_in_usage_and_metrics():
     assert f'reame_spec_decode_accepted_total{{source="lookup"}} {details["accepted_prediction_tokens"]}' in metrics
     assert 'reame_spec_decode_steps_total{kind="speculative"}' in metrics
     assert 'reame_spec_decode_acceptance{position="1"}' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkeypatch, stream):
+    """A client's next turn may arrive before the handler thread returns: it must not get 409 busy."""
+    from reame.server.http import Handler
+    busy_when_sent = []
+    sessions = with_sessions.app.sessions
+    original_json, original_event = Handler.send_json, Handler.send_event
+
+    def send_json(self, status, body, *args, **kwargs):
+        if isinstance(body, dict) and "choices" in body:
+            busy_when_sent.append(set(sessions._busy))
+        return original_json(self, status, body, *args, **kwargs)
+
+    def send_event(self, event):
+        if event == "[DONE]":
+            busy_when_sent.append(set(sessions._busy))
+        return original_event(self, event)
+    monkeypatch.setattr(Handler, "send_json", send_json)
+    monkeypatch.setattr(Handler, "send_event", send_event)
+    session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
+    with_sessions.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 4, "session": session_id,
+                                                           "stream": stream})
+    assert busy_when_sent == [set()]
