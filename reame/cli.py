@@ -84,7 +84,7 @@ def add_server_flags(parser: argparse.ArgumentParser, default: Any = None) -> No
     parser.add_argument("--api-key", action="append", default=default,
                         help="bearer key clients must send (repeatable)")
     parser.add_argument("--parallel", type=positive_int, default=default,
-                        help="sequences generated together (1)")
+                        help="sequences generated together when serving (chosen: 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +218,7 @@ def plan(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry 
         path, autoconfig.probe_host(), threads=values["model.threads"].value,
         context=values["model.context_length"].value, kv_type=values["memory.kv_cache_type"].value,
         batch=values["model.batch"].value, ubatch=values["model.ubatch"].value,
-        preferred_context=entry.default_ctx if entry else 0)
+        preferred_context=entry.default_ctx if entry else 0, parallel=values["server.parallel"].value)
 
 
 def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice],
@@ -305,7 +305,7 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
                 chosen: dict[str, autoconfig.Choice]) -> int:
     from reame.server.serve import serve
     settings = server_settings(values, entry.name if entry else path.stem)
-    n_seq = values["server.parallel"].value
+    n_seq = chosen["server.parallel"].value
 
     model = model_settings(path, values, chosen, n_seq)
 

@@ -52,6 +52,9 @@ def test_print_config_shows_every_choice_and_why(native_libraries, smollm2_path)
     assert result.returncode == 0
     assert "model.context_length = 1024  # set explicitly" in result.stdout
     assert "model.threads = " in result.stdout and "memory.kv_cache_type = f16" in result.stdout
+    assert "server.parallel = 4  # when serving" in result.stdout
+    explicit = reame("run", str(smollm2_path), "--print-config", "--parallel", "2")
+    assert "server.parallel = 2  # set explicitly" in explicit.stdout
 
 
 def test_config_mode_completes_raw_text(native_libraries, smollm2_path, tmp_path):
