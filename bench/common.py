@@ -30,6 +30,16 @@ def llama_tool(name: str) -> Path:
     return path
 
 
+def server_command(kind: str, path: str, port: int, threads: int, context: int, slots: int = 1) -> list[str]:
+    """The command that serves `path` on `port`: Reame (`kind` "reame") or llama-server from the pinned
+    build, with the same threads, context and sequence slots; callers append their own options."""
+    if kind == "reame":
+        return [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
+                str(threads), "--ctx", str(context), "--parallel", str(slots), "-q"]
+    return [str(llama_tool("llama-server")), "-m", path, "-t", str(threads), "-c", str(context), "-np", str(slots),
+            "--port", str(port), "--host", "127.0.0.1"]
+
+
 def machine() -> str:
     cpu = "unknown cpu"
     try:

@@ -19,11 +19,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
-from common import ROOT, llama_tool, machine, model_path, print_table
+from common import ROOT, machine, model_path, print_table, server_command
 from server import free_port, stream_once, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -31,12 +30,7 @@ from reame.native import LLAMA_COMMIT
 
 def start(kind: str, path: str, slots: int, threads: int, context: int) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    if kind == "llama-server":
-        command = [str(llama_tool("llama-server")), "-m", path, "-t", str(threads), "-c", str(context),
-                   "-np", str(slots), "--port", str(port), "--host", "127.0.0.1"]
-    else:
-        command = [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
-                   str(threads), "--ctx", str(context), "--parallel", str(slots), "-q"]
+    command = server_command(kind, path, port, threads, context, slots)
     process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     wait_ready(port, process)

@@ -59,8 +59,8 @@ def agreement(path: str, threads: int, n_tokens: int) -> tuple[float, float, flo
 
 
 def decode_speed(path: str, threads: int, kv: str, prompt: list[int], n_tokens: int) -> float:
-    with LlamaBackend(ModelSettings(path, n_ctx=len(prompt) + n_tokens + 64, n_threads=threads, kv_type=kv)) as backend, \
-            Engine(backend) as engine:
+    settings = ModelSettings(path, n_ctx=len(prompt) + n_tokens + 64, n_threads=threads, kv_type=kv)
+    with LlamaBackend(settings) as backend, Engine(backend) as engine:
         result = engine.generate(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=n_tokens,
                                                                           ignore_eos=True)))
     return result.finish.usage.decode_tokens_per_second

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, llama_tool, machine, model_path, print_table
+from common import ROOT, machine, model_path, print_table, server_command
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -98,16 +98,13 @@ class Server:
 def reame_server(path: str, args: argparse.Namespace, cache_dir: Path, kv_type: str = "f16") -> Server:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_CACHE_DIR=str(cache_dir))
-    return Server([sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
-                   str(args.threads), "--ctx", str(args.ctx), "--parallel", "1", "--kv-type", kv_type, "-q"],
-                  port, env)
+    return Server(server_command("reame", path, port, args.threads, args.ctx) + ["--kv-type", kv_type], port, env)
 
 
 def llama_server(path: str, args: argparse.Namespace, slot_dir: Path) -> Server:
     port = free_port()
-    return Server([str(llama_tool("llama-server")), "-m", path, "-t", str(args.threads), "-c", str(args.ctx),
-                   "-np", "1", "--port", str(port), "--host", "127.0.0.1", "--slot-save-path", str(slot_dir)],
-                  port, dict(os.environ))
+    return Server(server_command("llama-server", path, port, args.threads, args.ctx) +
+                  ["--slot-save-path", str(slot_dir)], port, dict(os.environ))
 
 
 def drop_page_cache() -> bool:

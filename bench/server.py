@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, llama_tool, machine, model_path, print_table, summary
+from common import ROOT, machine, model_path, print_table, server_command, summary
 
 from reame.native import LLAMA_COMMIT
 
@@ -90,12 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     path = str(model_path(args.model))
     ports = {"llama-server": free_port(), "reame": free_port()}
-    commands = {
-        "llama-server": [str(llama_tool("llama-server")), "-m", path, "-t", str(args.threads), "-c", "2048",
-                         "-np", "1", "--port", str(ports["llama-server"]), "--host", "127.0.0.1"],
-        "reame": [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(ports["reame"]),
-                  "--threads", str(args.threads), "--ctx", "2048", "--parallel", "1", "-q"],
-    }
+    commands = {name: server_command(name, path, ports[name], args.threads, 2048) for name in ports}
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     servers = {name: subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for name, command in commands.items()}

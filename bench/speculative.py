@@ -23,11 +23,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from common import ROOT, llama_tool, machine, model_path, print_table
+from common import ROOT, machine, model_path, print_table, server_command
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -76,16 +75,13 @@ def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
 
 def start(name: str, path: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    if name.startswith("reame"):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_SPECULATIVE_ENABLED="0" if name == "reame off" else "1")
-        command = [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
-                   str(args.threads), "--ctx", "4096", "--parallel", "1", "-q"]
-    else:
-        env = dict(os.environ)
-        command = [str(llama_tool("llama-server")), "-m", path, "-t", str(args.threads), "-c", "4096", "-np", "1",
-                   "--port", str(port), "--host", "127.0.0.1"]
-        if name.endswith("ngram-simple"):
-            command += ["--spec-type", "ngram-simple"]
+    kind = "reame" if name.startswith("reame") else "llama-server"
+    command = server_command(kind, path, port, args.threads, 4096)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if kind == "reame":
+        env["REAME_SPECULATIVE_ENABLED"] = "0" if name == "reame off" else "1"
+    elif name.endswith("ngram-simple"):
+        command += ["--spec-type", "ngram-simple"]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 

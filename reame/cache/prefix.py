@@ -33,8 +33,23 @@ from reame.cache.store import DiskStore, Snapshot, pack_tokens
 
 log = logging.getLogger("reame.cache")
 
-STATS = ("hits", "misses", "tokens_reused", "snapshots_stored", "bytes_read", "bytes_written", "evictions",
-         "corrupt_dropped", "restore_failed", "writes_skipped")
+# Counters, then gauges, that `stats()` reports, with what each means (/metrics shows them).
+STATS = {
+    "hits": "prefix cache lookups that found a snapshot",
+    "misses": "prefix cache lookups that found none",
+    "tokens_reused": "prompt tokens restored from the prefix cache instead of prefilled",
+    "snapshots_stored": "KV snapshots added to the prefix cache",
+    "bytes_read": "bytes of snapshot files read",
+    "bytes_written": "bytes of snapshot files written",
+    "evictions": "snapshot files removed to keep the disk budget",
+    "corrupt_dropped": "damaged snapshot files found and removed",
+    "restore_failed": "snapshots this context could not restore",
+    "writes_skipped": "snapshots not written (disk busy, full or too small a budget)",
+}
+GAUGES = {
+    "snapshots": "snapshots known (RAM and disk)",
+    "ram_bytes": "bytes of snapshots held in RAM",
+}
 WRITE_QUEUE = 8
 WRITER_NICENESS = 19
 # While the engine computes, the writer waits between 4 MiB slices (even a niced thread that takes a
@@ -83,6 +98,7 @@ class PrefixCache:
         self._stats_lock = threading.Lock()  # apart from _lock: the disk tier counts while _lock is held
         self._known: dict[str, tuple[int, ...]] = {}  # every snapshot in RAM or on disk -> its tokens
         self._by_block: dict[bytes, set[str]] = {}
+        self._keys: dict[str, list[bytes]] = {}  # each known snapshot's block keys, to unindex it
         self._ram: OrderedDict[str, Snapshot] = OrderedDict()
         self._ram_bytes = 0
         self._disk = DiskStore(directory, fingerprint, disk_budget_bytes, compress, self._add) \
@@ -152,7 +168,7 @@ class PrefixCache:
                        if _is_prefix(self._known[other], tokens)}
             for other in covered:
                 self._forget(other, from_disk=True)
-            self._index({name: tokens})
+            self._index({name: tokens}, keys)
             self._keep_in_ram(name, snapshot)
         self._add("snapshots_stored", 1)
         self._queue_write(name, snapshot)
@@ -203,21 +219,22 @@ class PrefixCache:
                 self._forget(name, from_disk=False)
         self._index({name: self._disk.entries[name] for name in added if name in self._disk.entries})
 
-    def _index(self, snapshots: dict[str, tuple[int, ...]]) -> None:
+    def _index(self, snapshots: dict[str, tuple[int, ...]], keys: list[bytes] | None = None) -> None:
+        """Make snapshots findable; `keys`: their block keys when already computed (one snapshot)."""
         for name, tokens in snapshots.items():
             self._known[name] = tokens
-            for key in block_keys(self.fingerprint, tokens, self.block_tokens):
+            self._keys[name] = keys if keys is not None else block_keys(self.fingerprint, tokens, self.block_tokens)
+            for key in self._keys[name]:
                 self._by_block.setdefault(key, set()).add(name)
 
     def _forget(self, name: str, from_disk: bool) -> None:
-        tokens = self._known.pop(name, None)
-        if tokens is not None:
-            for key in block_keys(self.fingerprint, tokens, self.block_tokens):
-                names = self._by_block.get(key)
-                if names is not None:
-                    names.discard(name)
-                    if not names:
-                        del self._by_block[key]
+        self._known.pop(name, None)
+        for key in self._keys.pop(name, ()):
+            names = self._by_block.get(key)
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self._by_block[key]
         dropped = self._ram.pop(name, None)
         if dropped is not None:
             self._ram_bytes -= len(dropped.blob)

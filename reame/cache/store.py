@@ -146,7 +146,8 @@ def _compression_pays(blob: bytes) -> bool:
     return bool(sample) and len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * COMPRESS_WORTH_RATIO
 
 
-def write_atomically(path: Path, parts: Sequence[bytes | memoryview], pause: Callable[[], None] = lambda: None) -> None:
+def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
+                     pause: Callable[[], None] = lambda: None) -> None:
     """`parts` and their crc32 trailer to a temp file in the same directory, fsync, rename: readers see
     all of it or nothing. `pause()` is called between slices of WRITE_SLICE bytes: it may sleep
     while the cores are better spent elsewhere."""

@@ -372,13 +372,14 @@ class Engine:
 
     def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
         """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        cache = self.cache if isinstance(saved, Snapshot) else None
         if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
             self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
-            if isinstance(saved, Snapshot) and self.cache is not None:
-                self.cache.restore_failed(saved)
+            if cache is not None:
+                cache.restore_failed(saved)
             return 0
-        if isinstance(saved, Snapshot) and self.cache is not None:
-            self.cache.restored(shared)
+        if cache is not None:
+            cache.restored(shared)
         return shared
 
     def _step(self) -> None:

@@ -24,7 +24,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
         self._help: dict[str, tuple[str, str]] = {}
-        self._gauges: dict[str, tuple[str, str, Callable[[], float]]] = {}
+        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self._collectors: list[Callable[[], list[Sample]]] = []
 
     def describe(self, name: str, kind: str, text: str) -> None:
@@ -35,36 +35,31 @@ class Metrics:
         with self._lock:
             self._counters[key] += value
 
-    def gauge(self, name: str, text: str, read: Callable[[], float], kind: str = "gauge") -> None:
-        """A value read when /metrics is rendered; `kind` "counter" for totals kept elsewhere."""
-        self._gauges[name] = (kind, text, read)
+    def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
+        """A value read when /metrics is rendered."""
+        self._gauges[name] = (text, read)
 
     def collector(self, collect: Callable[[], list[Sample]]) -> None:
         """Values kept elsewhere, with labels, read at each render."""
         self._collectors.append(collect)
 
     def render(self) -> str:
-        lines: list[str] = []
         with self._lock:
             counters = sorted(self._counters.items())
-        seen: set[str] = set()
-        for (name, labels), value in counters:
-            if name not in seen:
-                seen.add(name)
-                kind, text = self._help.get(name, ("counter", name))
-                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-            lines.append(f"{name}{{{label_text}}} {_number(value)}" if labels else f"{name} {_number(value)}")
-        for name, (kind, text, read) in sorted(self._gauges.items()):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_number(read())}"]
+        samples = [Sample(name, *self._help.get(name, ("counter", name)), dict(labels), value)
+                   for (name, labels), value in counters]
+        samples += [Sample(name, "gauge", text, {}, read()) for name, (text, read) in sorted(self._gauges.items())]
         for collect in self._collectors:
-            for sample in collect():
-                if sample.name not in seen:
-                    seen.add(sample.name)
-                    lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]
-                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
-                lines.append(f"{sample.name}{{{label_text}}} {_number(sample.value)}" if label_text
-                             else f"{sample.name} {_number(sample.value)}")
+            samples += collect()
+        lines: list[str] = []
+        seen: set[str] = set()
+        for sample in samples:
+            if sample.name not in seen:
+                seen.add(sample.name)
+                lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
+            lines.append(f"{sample.name}{{{label_text}}} {_number(sample.value)}" if label_text
+                         else f"{sample.name} {_number(sample.value)}")
         return "\n".join(lines) + "\n"
 
 

@@ -8,13 +8,13 @@ SDKs work unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
+from reame.cache import prefix
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
@@ -24,20 +24,6 @@ from reame.server.shapes import Choice, Response, finish_reason
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
                                      sampling_params, stream_usage)
 
-CACHE_METRICS = {
-    "hits": "prefix cache lookups that found a snapshot",
-    "misses": "prefix cache lookups that found none",
-    "tokens_reused": "prompt tokens restored from the prefix cache instead of prefilled",
-    "snapshots_stored": "KV snapshots added to the prefix cache",
-    "bytes_read": "bytes of snapshot files read",
-    "bytes_written": "bytes of snapshot files written",
-    "evictions": "snapshot files removed to keep the disk budget",
-    "corrupt_dropped": "damaged snapshot files found and removed",
-    "restore_failed": "snapshots this context could not restore",
-    "writes_skipped": "snapshots not written (disk busy, full or too small a budget)",
-    "snapshots": "snapshots known (RAM and disk)",
-    "ram_bytes": "bytes of snapshots held in RAM",
-}
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -59,11 +45,16 @@ class App:
                            lambda: self.engine.load()[0] if self.engine else 0)
         self.metrics.gauge("reame_busy_slots", "sequence slots generating",
                            lambda: self.engine.load()[1] if self.engine else 0)
-        for name, text in CACHE_METRICS.items():
-            kind = "gauge" if name in ("snapshots", "ram_bytes") else "counter"
-            self.metrics.gauge(f"reame_prefix_cache_{name}" + ("_total" if kind == "counter" else ""), text,
-                               functools.partial(self.cache_stat, name), kind)
+        self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
+
+    def cache_samples(self) -> list[Sample]:
+        cache = self.engine.cache if self.engine is not None else None
+        stats = cache.stats() if cache is not None else dict.fromkeys({**prefix.STATS, **prefix.GAUGES}, 0)
+        return [Sample(f"reame_prefix_cache_{name}_total", "counter", text, {}, stats[name])
+                for name, text in prefix.STATS.items()] + \
+            [Sample(f"reame_prefix_cache_{name}", "gauge", text, {}, stats[name])
+             for name, text in prefix.GAUGES.items()]
 
     def speculation_samples(self) -> list[Sample]:
         speculation = self.engine.speculation if self.engine is not None else None
@@ -88,10 +79,6 @@ class App:
         samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
                               stats["last_draft_length"]))
         return samples
-
-    def cache_stat(self, name: str) -> int:
-        cache = self.engine.cache if self.engine is not None else None
-        return cache.stats()[name] if cache is not None else 0
 
     def count_response(self, status: int) -> None:
         self.metrics.add("reame_requests_total", status=str(status))
@@ -197,10 +184,8 @@ class App:
         """Run an engine call that validates a request; its refusals become 400 or 429."""
         try:
             return submit()
-        except RequestError as error:
-            raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
-        except OverloadedError as error:
-            raise HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"}) from None
+        except (RequestError, OverloadedError) as error:
+            raise refusal(error) from None
 
     def tokenize(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -346,14 +331,10 @@ class App:
                         params = dataclasses.replace(base, seed=choice_seed % (2**32 - 1))
                         request = GenerationRequest(prompt, params, logprobs=logprobs, session=session)
                         handles.append(engine.submit(request, sink, len(handles)))
-            except RequestError as error:
+            except (RequestError, OverloadedError) as error:
                 for handle in handles:
                     handle.cancel()
-                raise HttpError(400, str(error), param=error.param or "prompt", code="invalid_value") from None
-            except OverloadedError as error:
-                for handle in handles:
-                    handle.cancel()
-                raise HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"}) from None
+                raise refusal(error) from None
             prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
             echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
@@ -466,6 +447,13 @@ ROUTES = {
     "/tokenize": App.tokenize,
     "/detokenize": App.detokenize,
 }
+
+
+def refusal(error: RequestError | OverloadedError) -> HttpError:
+    """The HTTP answer to an engine that refused a request: bad input 400, a full queue 429."""
+    if isinstance(error, OverloadedError):
+        return HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"})
+    return HttpError(400, str(error), param=error.param or "prompt", code="invalid_value")
 
 
 def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:

@@ -29,7 +29,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class Sessions:
     def __init__(self, directory: Path, fingerprint: bytes) -> None:
         self.directory = directory
-        self.fingerprint = fingerprint if len(fingerprint) == 32 else hashlib.sha256(fingerprint).digest()
+        self.fingerprint = hashlib.sha256(fingerprint).digest()  # the 32 bytes a snapshot file carries
         self._lock = threading.Lock()
         self._sessions: dict[str, SessionState] = {}
         self._busy: set[str] = set()

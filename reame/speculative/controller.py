@@ -92,7 +92,6 @@ class DraftController:
         self._accepted = prior * weight if prior is not None else PRIOR_ACCEPTED
         self._rejected = weight - self._accepted
         self._plain_steps = 0
-        self.last_k = 0
 
     @property
     def acceptance(self) -> float:
@@ -113,7 +112,6 @@ class DraftController:
             if self._plain_steps >= REPROBE_STEPS:
                 self._plain_steps = 0
                 best_k = min(PROBE_DRAFT, self.max_draft)
-        self.last_k = best_k
         return best_k
 
     def verified(self, drafted: int, accepted: int) -> None:
