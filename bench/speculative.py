@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Speculative decoding on three kinds of work: Reame off / prompt lookup vs llama-server plain / ngram-simple.
+"""Speculative decoding on three kinds of work, Reame's sources vs llama-server's speculative modes.
 
-    python bench/speculative.py                          # Qwen2.5-Coder-1.5B, 120 tokens, 3 reps
-    python bench/speculative.py --model smollm2-135m
+    python bench/speculative.py                          # Qwen2.5-Coder-1.5B, draft 0.5B, 120 tokens, 3 reps
+    python bench/speculative.py --model smollm2-135m --draft ''
 
-Four servers from the same pinned build, model and threads run side by side,
-one request at a time, in rotating order: Reame with speculation off
-(`REAME_SPECULATIVE_ENABLED=0`), Reame as configured by default (prompt
-lookup under its controller), llama-server plain, and llama-server with
-`--spec-type ngram-simple`. Each streams a greedy chat answer of a fixed
+Servers from the same pinned build, model and threads run side by side, one
+request at a time, in rotating order: Reame with speculation off
+(`REAME_SPECULATIVE_ENABLED=0`), as configured by default (prompt lookup
+under its controller), with the draft model only, and with both; llama-server
+plain, with `--spec-type ngram-simple`, and with the draft model
+(`-md … --spec-type draft-simple`). Without `--draft` the draft rows are left
+out. Each streams a greedy chat answer of a fixed
 length (end of text ignored); decode tok/s is measured by the client between
 the first and the last streamed token. Tasks: (a) a copy-heavy JSON edit,
 (b) a code edit, (c) free prose. Ratios are against the same server family's
@@ -47,7 +49,16 @@ TASKS = {
     "            stream.write(f'{key} = {value}\\n')\n",
     "c: free prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
-SERVERS = ("reame off", "reame lookup", "llama-server", "llama-server ngram-simple")
+# name -> REAME_* settings, or llama-server options ("{draft}" is the draft model's path)
+SERVERS = {
+    "reame off": {"REAME_SPECULATIVE_ENABLED": "0"},
+    "reame lookup": {},
+    "reame draft": {"REAME_SPECULATIVE_LOOKUP": "0", "REAME_SPECULATIVE_DRAFT_MODEL": "{draft}"},
+    "reame lookup+draft": {"REAME_SPECULATIVE_DRAFT_MODEL": "{draft}"},
+    "llama-server": [],
+    "llama-server ngram-simple": ["--spec-type", "ngram-simple"],
+    "llama-server draft-simple": ["-md", "{draft}", "--spec-type", "draft-simple"],
+}
 
 
 def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
@@ -73,27 +84,31 @@ def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
     return (tokens - 1) / (last - first) if last > first else 0.0
 
 
-def start(name: str, path: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start(name: str, path: str, draft: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     port = free_port()
     kind = "reame" if name.startswith("reame") else "llama-server"
     command = server_command(kind, path, port, args.threads, 4096)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if kind == "reame":
-        env["REAME_SPECULATIVE_ENABLED"] = "0" if name == "reame off" else "1"
-    elif name.endswith("ngram-simple"):
-        command += ["--spec-type", "ngram-simple"]
+    settings = SERVERS[name]
+    if isinstance(settings, dict):
+        env.update({key: value.format(draft=draft) for key, value in settings.items()})
+    else:
+        command += [option.format(draft=draft) for option in settings]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model ('' = no draft rows)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     path = str(model_path(args.model))
-    servers = {name: start(name, path, args) for name in SERVERS}
+    draft = str(model_path(args.draft)) if args.draft else ""
+    names = tuple(name for name in SERVERS if draft or "draft" not in name)
+    servers = {name: start(name, path, draft, args) for name in names}
     speeds: dict[tuple[str, str], list[float]] = {}
     try:
         for name, (process, port) in servers.items():
@@ -101,7 +116,7 @@ def main() -> None:
             stream_chat(port, "Say hello.", 8)
         for rep in range(args.reps):
             for task, prompt in TASKS.items():
-                order = SERVERS[rep % len(SERVERS):] + SERVERS[:rep % len(SERVERS)]
+                order = names[rep % len(names):] + names[:rep % len(names)]
                 for name in order:
                     speeds.setdefault((task, name), []).append(stream_chat(servers[name][1], prompt, args.tokens))
     finally:
@@ -110,13 +125,14 @@ def main() -> None:
             process.wait(60)
     rows = []
     for task in TASKS:
-        for name in SERVERS:
+        for name in names:
             plain = "reame off" if name.startswith("reame") else "llama-server"
             ratios = [fast / base for fast, base in zip(speeds[(task, name)], speeds[(task, plain)])]
             values = speeds[(task, name)]
             rows.append([task, name, f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})",
                          f"{statistics.median(ratios):.2f}"])
-    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
+    drafting = f" · draft {Path(draft).name}" if draft else ""
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name}{drafting} · {args.threads} threads · "
           f"{args.tokens} tokens, greedy · reps {args.reps}\n")
     print_table(["task", "server", "decode tok/s", "vs its plain (paired median)"], rows)
 

@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -17,7 +18,8 @@ from typing import Any, Sequence
 from reame import __version__, autoconfig, catalog, config, fetch
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.cache import PrefixCache
-from reame.speculative import PromptLookup, Speculation
+from reame.speculative import DraftSource, PromptLookup, Speculation
+from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
@@ -109,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch", type=positive_int, help="most tokens per decode call (512)")
     run.add_argument("--system", help="a system message for the chat template")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--draft-model", metavar="MODEL",
+                     help="a smaller model with the same vocabulary that drafts tokens (catalog name or path)")
     run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
     add_server_flags(run, default=argparse.SUPPRESS)
 
@@ -190,6 +194,7 @@ def load_settings(args: argparse.Namespace) -> dict[str, config.Value]:
         "model.threads": getattr(args, "threads", None), "model.context_length": getattr(args, "ctx", None),
         "memory.kv_cache_type": getattr(args, "kv_type", None), "model.batch": getattr(args, "batch", None),
         "model.path": getattr(args, "model", None),
+        "speculative.draft_model": getattr(args, "draft_model", None),
         "server.host": args.host, "server.port": args.port,
         "server.api_key": ",".join(args.api_key) if args.api_key else None, "server.parallel": args.parallel,
     }
@@ -322,13 +327,41 @@ def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.Mode
     return serve(settings, load_engine, path.name, sessions)
 
 
-def new_engine(backend: LlamaBackend, values: dict[str, config.Value], **options: Any) -> Engine:
+def new_engine(backend: LlamaBackend, values: dict[str, config.Value], speculate: bool = True,
+               **options: Any) -> Engine:
     """An engine over `backend` with the prefix cache and speculation the settings ask for."""
-    speculation = Speculation(PromptLookup(values["speculative.lookup_max_ngram"].value,
-                                           values["speculative.lookup_min_ngram"].value),
-                              max_draft=values["speculative.max_draft_tokens"].value) \
-        if values["speculative.enabled"].value else None
+    speculation = new_speculation(backend, values) if speculate else None
     return Engine(backend, cache=prefix_cache(values, backend.kv_fingerprint()), speculation=speculation, **options)
+
+
+def new_speculation(backend: LlamaBackend, values: dict[str, config.Value]) -> Speculation | None:
+    """The draft sources the settings ask for, cheapest first; None when there are none."""
+    if not values["speculative.enabled"].value:
+        return None
+    sources: list[DraftSource] = []
+    if values["speculative.lookup"].value:
+        sources.append(PromptLookup(values["speculative.lookup_max_ngram"].value,
+                                    values["speculative.lookup_min_ngram"].value))
+    if values["speculative.draft_model"].value:
+        sources.append(load_draft_model(values["speculative.draft_model"].value, backend,
+                                        values["speculative.draft_min_probability"].value))
+    return Speculation(*sources, max_draft=values["speculative.max_draft_tokens"].value) if sources else None
+
+
+def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
+    """The draft model in a context shaped like the target's (threads, length, slots), with batches
+    as large as its catch-up steps."""
+    path, _ = resolve_model(name)
+    settings = dataclasses.replace(target.settings, path=str(path), n_batch=CATCH_UP_TOKENS,
+                                   n_ubatch=CATCH_UP_TOKENS)
+    draft = LlamaBackend(settings)
+    try:
+        source = DraftModel(draft, target, path.name, min_probability)
+    except BaseException:
+        draft.close()
+        raise
+    log.info("drafting with %s as well", path.name)
+    return source
 
 
 def prefix_cache(values: dict[str, config.Value], fingerprint: bytes) -> PrefixCache | None:
@@ -384,7 +417,8 @@ def command_warm(args: argparse.Namespace, values: dict[str, config.Value]) -> i
     texts = [(name, read_prompt("-") if name == "-" else read_text_file(name)) for name in args.files]
     path, entry = resolve_model(values["model.path"].value)
     chosen = plan(values, path, entry)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
+    with LlamaBackend(model_settings(path, values, chosen)) as backend, \
+            new_engine(backend, values, speculate=False) as engine:
         for name, text in texts:
             prompt = text
             if args.role == "system" and backend.has_chat_template:

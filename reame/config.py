@@ -32,6 +32,7 @@ class Key:
     doc: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None
+    maximum: float | None = None
 
     @property
     def env_name(self) -> str:
@@ -81,7 +82,12 @@ KEYS: tuple[Key, ...] = (
     Key("cache.block_tokens", "int", 32, "tokens per block of the prefix index", minimum=1),
     Key("cache.compress", "bool", True, "zstd-compress snapshots when a sample shows that it pays"),
     Key("speculative.enabled", "bool", True,
-        "draft tokens by prompt lookup and verify them in one step, where the controller measures a gain"),
+        "draft tokens and verify them in one step, where the controller measures a gain"),
+    Key("speculative.lookup", "bool", True, "draft by prompt lookup (copying from the prompt and answer)"),
+    Key("speculative.draft_model", "str", "",
+        "catalog name or path of a smaller model with the same vocabulary that drafts too; empty = none"),
+    Key("speculative.draft_min_probability", "float", 0.75,
+        "the draft model stops at a token it gives less than this probability", minimum=0, maximum=1),
     Key("speculative.max_draft_tokens", "int", 16, "most tokens drafted per step", minimum=1),
     Key("speculative.lookup_max_ngram", "int", 3, "longest n-gram prompt lookup matches", minimum=1),
     Key("speculative.lookup_min_ngram", "int", 2, "shortest n-gram prompt lookup matches", minimum=1),
@@ -161,6 +167,8 @@ def convert(key: Key, raw: str, where: str) -> Any:
         raise ConfigError(f"{where}: {key.name} must be {what}, got '{raw}'") from None
     if key.minimum is not None and not value >= key.minimum:
         raise ConfigError(f"{where}: {key.name} must be >= {key.minimum:g}, got {raw}")
+    if key.maximum is not None and not value <= key.maximum:
+        raise ConfigError(f"{where}: {key.name} must be <= {key.maximum:g}, got {raw}")
     return value
 
 

@@ -270,6 +270,14 @@ _declare("llama_chat_builtin_templates", [POINTER(c_char_p), c_size_t], c_int32)
 
 # LLAMA_API llama_token llama_get_sampled_token_ith(struct llama_context * ctx, int32_t i);
 _declare("llama_get_sampled_token_ith", [llama_context_p, c_int32], llama_token)
+# LLAMA_API float * llama_get_sampled_logits_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_sampled_logits_ith", [llama_context_p, c_int32], POINTER(c_float))
+# LLAMA_API uint32_t llama_get_sampled_logits_count_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_sampled_logits_count_ith", [llama_context_p, c_int32], c_uint32)
+# LLAMA_API llama_token * llama_get_sampled_candidates_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_sampled_candidates_ith", [llama_context_p, c_int32], POINTER(llama_token))
+# LLAMA_API uint32_t llama_get_sampled_candidates_count_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_sampled_candidates_count_ith", [llama_context_p, c_int32], c_uint32)
 
 # --- Sampling API ---
 # LLAMA_API bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);

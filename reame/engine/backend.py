@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
+import heapq
 import logging
 import os
 import threading
@@ -74,6 +75,9 @@ class Backend(Protocol):
     def accept(self, sampler: object, token: int) -> None: ...
     def free_sampler(self, sampler: object) -> None: ...
     def logits(self, index: int) -> Sequence[float]: ...
+    def top_tokens(self, index: int, k: int) -> list[tuple[int, float]]:
+        """The k highest-scoring tokens at output `index` with their logits, best first."""
+        ...
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
@@ -510,6 +514,23 @@ class LlamaBackend:
         values = array.array("f")
         values.frombytes(ctypes.string_at(pointer, self.n_vocab * 4))
         return values
+
+    def top_tokens(self, index: int, k: int) -> list[tuple[int, float]]:
+        """Cheap when a chain attached to the sequence kept only its top k candidates inside the
+        graph (as the draft model's does); otherwise a scan of the whole vocabulary's logits."""
+        if index not in self._outputs:
+            raise ModelError(f"no logits at batch index {index}")
+        api, ctx = self._api, self._ctx
+        count = api.llama_get_sampled_candidates_count_ith(ctx, index)
+        if count and api.llama_get_sampled_logits_count_ith(ctx, index) == count:
+            ids = api.llama_get_sampled_candidates_ith(ctx, index)
+            values = api.llama_get_sampled_logits_ith(ctx, index)
+            pairs = [(ids[i], values[i]) for i in range(count)]
+        else:
+            logits = self.logits(index)
+            pairs = [(token, logits[token]) for token in heapq.nlargest(k, range(self.n_vocab), key=logits.__getitem__)]
+        pairs.sort(key=lambda pair: -pair[1])
+        return pairs[:k]
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return bool(self._api.llama_memory_seq_rm(self._memory, seq_id, p0, p1))

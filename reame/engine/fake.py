@@ -262,6 +262,11 @@ class FakeBackend:
             raise ModelError(f"no logits at batch index {index}")
         return self._outputs[index]
 
+    def top_tokens(self, index: int, k: int) -> list[tuple[int, float]]:
+        logits = self.logits(index)
+        return sorted(((token, value) for token, value in enumerate(logits) if value != -math.inf),
+                      key=lambda pair: (-pair[1], pair[0]))[:k]
+
     # --- memory ---
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

@@ -43,7 +43,7 @@ from reame.engine.request import (
 from reame.engine.sampling import chain_steps, log_softmax_of
 from reame.engine.textstream import TextStream
 from reame.errors import ModelError, OverloadedError, RequestError
-from reame.speculative import DraftController, Drafter, Speculation
+from reame.speculative import Drafting, Speculation
 
 log = logging.getLogger("reame.engine")
 
@@ -64,9 +64,8 @@ class _Sequence:
 
     __slots__ = (
         "accepted_drafts",
-        "controller",
         "drafted",
-        "drafter",
+        "draftings",
         "generated_tokens",
         "cached",
         "admission",
@@ -100,8 +99,7 @@ class _Sequence:
         self.stream = TextStream(handle.request.params.stop)
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
-        self.drafter: Drafter | None = None  # speculative decoding, when the request allows it
-        self.controller: DraftController | None = None
+        self.draftings: list[Drafting] = []  # speculative decoding's sources, when the request allows it
         self.drafted = self.accepted_drafts = 0
 
 
@@ -115,11 +113,15 @@ class Engine:
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
         `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
-        `cache`: the prefix cache (the engine closes it); `speculation`: draft and verify several
-        tokens per step where that pays (speculative/)."""
+        `cache`: the prefix cache; `speculation`: draft and verify several tokens per step where
+        that pays (speculative/). The engine closes both."""
         self.backend = backend
         self.cache = cache
-        self.speculation = speculation if backend.supports_rollback else None
+        if speculation is not None and not backend.supports_rollback:
+            log.info("speculative decoding is off: this model's memory cannot drop rejected drafts")
+            speculation.close()
+            speculation = None
+        self.speculation = speculation
         self._drafts_paused = False  # one step without drafts after the KV ran full with them
         if cache is not None:
             cache.engine_busy = lambda: bool(self._active)  # its disk writer waits for the gaps
@@ -214,6 +216,8 @@ class Engine:
             self._thread = None
         if self.cache is not None:
             self.cache.close()
+        if self.speculation is not None:
+            self.speculation.close()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -226,6 +230,8 @@ class Engine:
     def _run(self) -> None:
         try:
             self.backend.warm_up()  # here, on the thread that will decode (see LlamaBackend.warm_up)
+            if self.speculation is not None:
+                self.speculation.warm_up()
         except Exception:
             log.exception("warm-up decode failed")
         inbox = self._inbox
@@ -318,8 +324,7 @@ class Engine:
             sequence.snapshot_at = self._snapshot_point(sequence)
             if speculate:
                 assert self.speculation is not None
-                sequence.drafter = self.speculation.source.drafter(handle.prompt_tokens)
-                sequence.controller = self.speculation.controller()
+                sequence.draftings = self.speculation.start(handle.prompt_tokens)
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(seq_id)
@@ -388,7 +393,8 @@ class Engine:
         positions: list[int] = []
         seq_ids: list[int] = []
         outputs: list[bool] = []
-        samplers: list[tuple[_Sequence, int, list[int]]] = []  # sequence, first output index, its drafts
+        # sequence, its first output's index, its drafts and the source that made them
+        samplers: list[tuple[_Sequence, int, list[int], Drafting | None]] = []
         decoding = []
         for sequence in list(self._active):
             if sequence.handle.cancelled:
@@ -399,9 +405,9 @@ class Engine:
                 decoding.append(sequence)
         drafted_here = len(decoding)  # tokens the step carries so far: what the draft controllers weigh
         for sequence in decoding:
-            drafts = self._drafts(sequence, drafted_here) if sequence.drafter is not None else []
+            drafting, drafts = self._drafts(sequence, drafted_here) if sequence.draftings else (None, [])
             drafted_here += len(drafts)
-            samplers.append((sequence, len(tokens), drafts))
+            samplers.append((sequence, len(tokens), drafts, drafting))
             tokens.append(sequence.next_token)
             tokens.extend(drafts)
             positions.extend(range(sequence.n_fed, sequence.n_fed + 1 + len(drafts)))
@@ -428,7 +434,7 @@ class Engine:
             outputs.extend([False] * take)
             if start + take == len(sequence.prompt) and not sequence.handle.request.warm:
                 outputs[-1] = True
-                samplers.append((sequence, len(tokens) - 1, []))
+                samplers.append((sequence, len(tokens) - 1, [], None))
             prefilled.append((sequence, take))
             budget -= take
         if not tokens:
@@ -456,27 +462,26 @@ class Engine:
                 self.cache.offer(Snapshot(tuple(sequence.prompt[:sequence.n_fed]),
                                           backend.seq_state_get(sequence.seq_id)))
         self._drafts_paused = False
-        for sequence, index, drafts in samplers:
-            self._verify(sequence, index, drafts)
+        for sequence, index, drafts, drafting in samplers:
+            self._verify(sequence, index, drafts, drafting)
         if self.speculation is not None:
             self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
             self.speculation.stats.step(drafted_here > len(decoding))
 
-    def _drafts(self, sequence: _Sequence, batch_tokens: int) -> list[int]:
-        """Tokens to verify after the sequence's next one: as many as the controller finds worth it,
-        within its answer's and the context's room and the batch."""
-        assert sequence.drafter is not None and sequence.controller is not None and self.speculation is not None
+    def _drafts(self, sequence: _Sequence, batch_tokens: int) -> tuple[Drafting | None, list[int]]:
+        """Tokens to verify after the sequence's next one, and their source: as many as its
+        controller finds worth it, within the answer's and the context's room and the batch."""
+        assert self.speculation is not None
         if self._drafts_paused:
-            return []
+            return None, []
         room = min(sequence.max_tokens - len(sequence.generated_tokens) - 1,
                    self.backend.n_ctx_seq - sequence.n_fed - 1,
                    self.backend.n_batch - batch_tokens - 1)
         if room <= 0:
-            return []
-        k = sequence.controller.draft_length(self.speculation.cost, batch_tokens)
-        return sequence.drafter.propose(min(k, room)) if k else []
+            return None, []
+        return self.speculation.propose(sequence.draftings, batch_tokens, room)
 
-    def _verify(self, sequence: _Sequence, index: int, drafts: list[int]) -> None:
+    def _verify(self, sequence: _Sequence, index: int, drafts: list[int], drafting: Drafting | None) -> None:
         """Sample the sequence's outputs in order: drafts are accepted while the model's own choice
         equals them; its first different choice (or the token after the last draft) ends the run.
 
@@ -497,10 +502,9 @@ class Engine:
             sequence.n_fed += 1 + accepted
             if accepted < len(drafts):
                 backend.seq_rm(sequence.seq_id, sequence.n_fed, -1)
-        if drafts:
-            assert sequence.controller is not None and self.speculation is not None
-            sequence.controller.verified(len(drafts), accepted)
-            self.speculation.verified(len(drafts), accepted)
+        if drafting is not None:
+            assert self.speculation is not None
+            self.speculation.verified(drafting, len(drafts), accepted)
             sequence.drafted += len(drafts)
             sequence.accepted_drafts += accepted
         for token, logprobs in chosen:
@@ -518,8 +522,8 @@ class Engine:
             self._finish(sequence, FINISH_STOP)
             return
         sequence.generated_tokens.append(token)
-        if sequence.drafter is not None:
-            sequence.drafter.observe((token,))
+        if sequence.draftings:
+            Speculation.observe(sequence.draftings, (token,))
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:
@@ -548,6 +552,7 @@ class Engine:
         if not held:
             self.backend.seq_rm(sequence.seq_id)
         self.backend.free_sampler(sequence.sampler)
+        Speculation.release(sequence.draftings)
         self._idle[sequence.seq_id] = held  # kept for the next request that shares its prefix (dict order = LRU)
         sequence.handle._put(FinishEvent(reason, usage, message, tail))
 

@@ -3,7 +3,7 @@
 from reame.speculative.controller import CostModel, DraftController, SpeculationStats
 from reame.speculative.lookup import PromptLookup
 from reame.speculative.source import Drafter, DraftSource
-from reame.speculative.speculation import Speculation
+from reame.speculative.speculation import Drafting, Speculation
 
-__all__ = ["CostModel", "DraftController", "DraftSource", "Drafter", "PromptLookup", "Speculation",
+__all__ = ["CostModel", "DraftController", "DraftSource", "Drafter", "Drafting", "PromptLookup", "Speculation",
            "SpeculationStats"]

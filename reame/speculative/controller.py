@@ -13,9 +13,16 @@ measured:
 - `DraftController` (one per sequence and source) keeps a forgetting estimate
   of that sequence's acceptance and picks the k that maximises
   E(k) * T(n) / T(n + k). When no k beats plain decoding it drafts nothing,
-  and after `REPROBE_STEPS` plain steps it tries a short draft again: one
-  user's free prose does not switch speculation off for another's extraction,
-  and a sequence whose text turns repetitive gets it back.
+  and later it tries a short draft again: one user's free prose does not
+  switch speculation off for another's extraction, and a sequence whose text
+  turns repetitive gets it back.
+
+A source that computes its drafts (a draft model) also costs time before the
+step: the engine measures it per drafted token, and the controller adds it to
+the step's cost. The re-probes of a switched-off source are spaced so that
+they cost at most PROBE_BUDGET of the time since the last one (and never
+come sooner than every REPROBE_STEPS steps): cheap prompt lookup is re-probed
+often, a draft model that does not pay on this machine rarely.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ MODELLED_TOKENS = 64  # steps up to this size feed the cost model
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
 REPROBE_STEPS = 32
 PROBE_DRAFT = 1
+PROBE_BUDGET = 0.02  # share of the plain steps' time a re-probe may cost
 MIN_GAIN = 1.02  # below this expected speed-up, drafting is not worth its risk
 
 
@@ -97,21 +105,25 @@ class DraftController:
     def acceptance(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
-    def draft_length(self, cost: CostModel, batch_tokens: int) -> int:
-        """How many tokens to draft in a step that already carries `batch_tokens`; 0 for a plain step."""
+    def draft_length(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0) -> int:
+        """How many tokens to draft in a step that already carries `batch_tokens`, when drafting
+        costs `seconds_per_draft` per token; 0 for a plain step."""
         base = cost.step_seconds(batch_tokens)
         if base is None:
             return 0
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            gain = expected_tokens(self.acceptance, k) * base / cost.step_seconds(batch_tokens + k)
+            spent = cost.step_seconds(batch_tokens + k) + k * seconds_per_draft
+            gain = expected_tokens(self.acceptance, k) * base / spent
             if gain > best_gain:
                 best_k, best_gain = k, gain
         if best_k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= REPROBE_STEPS:
+            probe = min(PROBE_DRAFT, self.max_draft)
+            probe_cost = cost.step_seconds(batch_tokens + probe) - base + probe * seconds_per_draft
+            if self._plain_steps >= max(REPROBE_STEPS, probe_cost / (PROBE_BUDGET * base)):
                 self._plain_steps = 0
-                best_k = min(PROBE_DRAFT, self.max_draft)
+                best_k = probe
         return best_k
 
     def verified(self, drafted: int, accepted: int) -> None:

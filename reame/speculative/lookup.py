@@ -26,6 +26,12 @@ class PromptLookup:
         drafter.observe(prompt)
         return drafter
 
+    def warm_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 class LookupDrafter:
     def __init__(self, max_ngram: int, min_ngram: int) -> None:
@@ -54,3 +60,6 @@ class LookupDrafter:
             if start is not None:
                 return history[start:start + limit]
         return []
+
+    def close(self) -> None:
+        pass

@@ -5,7 +5,10 @@ sequence holds (prompt, then each emitted token) and proposes the tokens it
 expects next. Deterministic sources (prompt lookup, the Palimpsest, Il
 Suggeritore, a greedy draft model) put all their probability on each proposed
 token, which is what makes verification exact with a plain draw from the
-target (see verify.py).
+target (see `Engine._verify`).
+
+Drafters are made, asked and released on the engine thread, so a source that
+computes (a draft model) decodes on the same thread as the target.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ class Drafter(Protocol):
     def propose(self, limit: int) -> list[int]:
         """At most `limit` tokens expected to follow what was observed; [] when it has no idea."""
 
+    def close(self) -> None:
+        """The sequence ended: give back what the drafter holds."""
+
 
 class DraftSource(Protocol):
     name: str
 
     def drafter(self, prompt: Sequence[int]) -> Drafter: ...
+
+    def warm_up(self) -> None:
+        """One-time costs, paid on the engine thread before the first request."""
+
+    def close(self) -> None:
+        """The engine stopped: free what the source holds."""

@@ -1,38 +1,126 @@
-"""What the engine needs to speculate: a draft source, limits, the shared cost model and counters."""
+"""What the engine needs to speculate: draft sources in order of preference, the cost model, counters.
+
+Each sequence gets one `Drafting` per source (its drafter and controller).
+A step asks the sources in order and takes the first draft offered: free
+sources (prompt lookup) go first, a draft model fills in where they have
+nothing. What each source achieves (acceptance) and costs (seconds per
+drafted token) is learned across sequences, so a new sequence starts from
+what the source did lately.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from reame.speculative.controller import CostModel, DraftController, SpeculationStats
-from reame.speculative.source import DraftSource
+from reame.speculative.source import Drafter, DraftSource
 
-SOURCE_PRIOR_DECAY = 0.9
+log = logging.getLogger("reame.speculative")
+
+SOURCE_PRIOR_DECAY = 0.9  # weight kept by a source's older acceptance, per verification
+DRAFT_COST_DECAY = 0.9  # weight kept by a source's older drafting time, per proposal
 
 
 @dataclass
+class Drafting:
+    """One sequence's drafter and controller for one source."""
+
+    source: str
+    drafter: Drafter
+    controller: DraftController
+
+
+class _SourceRecord:
+    """What one source achieved and cost lately, over every sequence."""
+
+    def __init__(self) -> None:
+        self.acceptance: float | None = None
+        self._seconds = 0.0
+        self._tokens = 0.0
+
+    def verified(self, rate: float) -> None:
+        self.acceptance = rate if self.acceptance is None else \
+            self.acceptance * SOURCE_PRIOR_DECAY + rate * (1 - SOURCE_PRIOR_DECAY)
+
+    def proposed(self, tokens: int, seconds: float) -> None:
+        self._seconds = self._seconds * DRAFT_COST_DECAY + seconds
+        self._tokens = self._tokens * DRAFT_COST_DECAY + tokens
+
+    @property
+    def seconds_per_draft(self) -> float:
+        """Drafting time per drafted token; a proposal that drafted nothing still counts its time."""
+        return self._seconds / max(self._tokens, 1.0)
+
+
 class Speculation:
-    """Engine-wide speculation settings and state; each sequence gets its own drafter and controller."""
+    """Engine-wide speculation settings and state. Owns its sources (closed with it)."""
 
-    source: DraftSource
-    max_draft: int = 8
-    cost: CostModel = field(default_factory=CostModel)
-    stats: SpeculationStats = field(init=False)
-    _acceptance: float | None = field(default=None, init=False)  # the source's recent acceptance, all sequences
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    def __init__(self, *sources: DraftSource, max_draft: int = 8, cost: CostModel | None = None) -> None:
+        if not sources:
+            raise ValueError("speculation needs at least one draft source")
+        self.sources = sources
+        self.max_draft = max_draft
+        self.cost = cost if cost is not None else CostModel()
+        self.stats = SpeculationStats(max_draft)
+        self._records = {source.name: _SourceRecord() for source in sources}
+        self._lock = threading.Lock()
 
-    def __post_init__(self) -> None:
-        self.stats = SpeculationStats(self.max_draft)
-
-    def controller(self) -> DraftController:
-        """A new sequence's controller, starting from what this source achieved lately."""
+    def start(self, prompt: Sequence[int]) -> list[Drafting]:
+        """A new sequence's draftings, each controller starting from what its source achieved lately."""
         with self._lock:
-            return DraftController(self.max_draft, self._acceptance)
+            priors = {name: record.acceptance for name, record in self._records.items()}
+        return [Drafting(source.name, source.drafter(prompt), DraftController(self.max_draft, priors[source.name]))
+                for source in self.sources]
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        self.stats.verified(self.source.name, drafted, accepted)
+    def propose(self, draftings: Sequence[Drafting], batch_tokens: int, room: int) -> tuple[Drafting | None, list[int]]:
+        """The first draft a source whose controller finds it worth it offers, and that source."""
+        for drafting in draftings:
+            record = self._records[drafting.source]
+            k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft)
+            if not k:
+                continue
+            started = time.perf_counter()
+            drafts = drafting.drafter.propose(min(k, room))
+            with self._lock:
+                record.proposed(len(drafts), time.perf_counter() - started)
+            if drafts:
+                return drafting, drafts
+        return None, []
+
+    def verified(self, drafting: Drafting, drafted: int, accepted: int) -> None:
+        drafting.controller.verified(drafted, accepted)
+        self.stats.verified(drafting.source, drafted, accepted)
         with self._lock:
-            rate = accepted / drafted
-            self._acceptance = rate if self._acceptance is None else \
-                self._acceptance * SOURCE_PRIOR_DECAY + rate * (1 - SOURCE_PRIOR_DECAY)
+            self._records[drafting.source].verified(accepted / drafted)
+
+    def seconds_per_draft(self) -> dict[str, float]:
+        with self._lock:
+            return {name: record.seconds_per_draft for name, record in self._records.items()}
+
+    def warm_up(self) -> None:
+        for source in self.sources:
+            source.warm_up()
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
+    @staticmethod
+    def observe(draftings: Sequence[Drafting], tokens: Sequence[int]) -> None:
+        for drafting in draftings:
+            drafting.drafter.observe(tokens)
+
+    @staticmethod
+    def release(draftings: Sequence[Drafting]) -> None:
+        """The sequence ended: its drafters give back what they hold. A drafter that fails to is
+        logged; the sequence still ends normally."""
+        for drafting in draftings:
+            try:
+                drafting.drafter.close()
+            except Exception:
+                log.exception("the %s drafter failed to release its sequence", drafting.source)

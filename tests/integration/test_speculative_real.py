@@ -3,6 +3,7 @@
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend
 from reame.speculative import CostModel, PromptLookup, Speculation
+from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 
 from .conftest import settings_for
 from .test_cli_real import reame
@@ -21,8 +22,11 @@ def average(values):
 """
 
 
-def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,)):
+def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,), draft_path=None):
+    """Greedy answers to `prompts`, all at once; `speculation` may be a function of the backend."""
     with LlamaBackend(settings_for(path, n_seq_max=n_seq_max)) as backend:
+        if callable(speculation):
+            speculation = speculation(backend)
         engine = Engine(backend, speculation=speculation)
         chats = [backend.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
         handles = [engine.submit(GenerationRequest(chat, SamplingParams(temperature=0, max_tokens=100)))
@@ -54,6 +58,23 @@ def test_sampled_speculation_runs_beside_other_sequences(native_libraries, smoll
     assert "def average" in results[0].text
 
 
+def test_greedy_answer_is_identical_with_a_draft_model_that_drafts_for_it(native_libraries, smollm2_path):
+    """SmolLM2 drafting for itself: every greedy draft should pass, and the answer must not change."""
+    (plain,) = answer(smollm2_path, None)
+    sources = {}
+
+    def with_draft_model(target):
+        draft = LlamaBackend(settings_for(smollm2_path, n_seq_max=1, n_batch=CATCH_UP_TOKENS,
+                                          n_ubatch=CATCH_UP_TOKENS))
+        sources["draft"] = DraftModel(draft, target, smollm2_path.name)
+        return Speculation(sources["draft"], max_draft=6, cost=FreeDrafts())
+    (fast,) = answer(smollm2_path, with_draft_model)
+    assert fast.tokens == plain.tokens
+    usage = fast.finish.usage
+    assert usage.draft_tokens > 15 and usage.accepted_draft_tokens >= 0.9 * usage.draft_tokens
+    assert sources["draft"].backend._ctx is None, "the engine closed the draft model with itself"
+
+
 def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
     result = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE)
     assert result.returncode == 0, result.stderr
@@ -61,3 +82,12 @@ def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
     off = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE,
                 env={"REAME_SPECULATIVE_ENABLED": "0"})
     assert off.stdout == result.stdout and "drafts accepted" not in off.stderr
+    drafted = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", "--draft-model",
+                    str(smollm2_path), stdin=REWRITE)
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == result.stdout and f"drafting with {smollm2_path.name}" in drafted.stderr
+
+
+def test_the_cli_refuses_a_draft_model_it_cannot_use(native_libraries, smollm2_path, tmp_path):
+    missing = reame("run", str(smollm2_path), "hi", "--draft-model", str(tmp_path / "none.gguf"))
+    assert missing.returncode != 0 and "none.gguf" in missing.stderr and "Traceback" not in missing.stderr

@@ -130,7 +130,16 @@ class AlwaysDraft:
 
             def propose(self, limit):
                 return [token] * limit
+
+            def close(self):
+                pass
         return Drafter()
+
+    def warm_up(self):
+        pass
+
+    def close(self):
+        pass
 
 
 def test_sampled_output_follows_the_models_distribution_exactly():
