@@ -78,6 +78,10 @@ class App:
                                       {"position": str(position)}, accepted / drafted))
         samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
                               stats["last_draft_length"]))
+        for source, seconds in sorted(speculation.seconds_per_draft().items()):
+            samples.append(Sample("reame_spec_decode_draft_seconds_per_token", "gauge",
+                                  "recent drafting time per drafted token, by draft source", {"source": source},
+                                  seconds))
         return samples
 
     def count_response(self, status: int) -> None:

@@ -65,23 +65,38 @@ class CostModel:
 
     def step_seconds(self, n_tokens: int) -> float | None:
         """Measured, or estimated for an untried size; None before any step was seen."""
+        curve = self.curve(n_tokens, n_tokens)
+        return curve[0] if curve is not None else None
+
+    def curve(self, first: int, last: int) -> list[float] | None:
+        """T(n) for n = first..last, measured or estimated (one fit for all: the controller asks every
+        step); None before any step was seen."""
         with self._lock:
-            known = self._seconds.get(n_tokens)
-            if known is not None or not self._seconds:
-                return known
-            sizes = sorted(self._seconds)
-            smallest = sizes[0]
-            if n_tokens < smallest:  # below everything measured: at least proportionally cheaper
-                return self._seconds[smallest] * n_tokens / smallest
-            if len(sizes) == 1:
-                return self._seconds[smallest] * (1 + PRIOR_SLOPE * (n_tokens - smallest))
-            mean_n = sum(sizes) / len(sizes)
-            mean_t = sum(self._seconds[n] for n in sizes) / len(sizes)
-            slope = sum((n - mean_n) * (self._seconds[n] - mean_t) for n in sizes) / \
-                sum((n - mean_n) ** 2 for n in sizes)
-            estimate = mean_t + max(slope, 0.0) * (n_tokens - mean_n)
-            below = max(self._seconds[n] for n in sizes if n < n_tokens)
-            return max(estimate, below)  # never cheaper than a smaller size already measured
+            seconds = dict(self._seconds)
+        if not seconds:
+            return None
+        sizes = sorted(seconds)
+        smallest = sizes[0]
+        slope = PRIOR_SLOPE * seconds[smallest]
+        line_n, line_t = smallest, seconds[smallest]
+        if len(sizes) > 1:
+            line_n = sum(sizes) / len(sizes)
+            line_t = sum(seconds.values()) / len(sizes)
+            slope = max(0.0, sum((n - line_n) * (seconds[n] - line_t) for n in sizes) /
+                        sum((n - line_n) ** 2 for n in sizes))
+        times = []
+        below, next_measured = 0.0, 0  # the largest time measured for a smaller size; index into sizes
+        for n in range(first, last + 1):
+            while next_measured < len(sizes) and sizes[next_measured] < n:
+                below = max(below, seconds[sizes[next_measured]])
+                next_measured += 1
+            if n in seconds:
+                times.append(seconds[n])
+            elif n < smallest:  # below everything measured: at least proportionally cheaper
+                times.append(seconds[smallest] * n / smallest)
+            else:  # never cheaper than a smaller size already measured
+                times.append(max(line_t + slope * (n - line_n), below))
+        return times
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -108,19 +123,20 @@ class DraftController:
     def draft_length(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0) -> int:
         """How many tokens to draft in a step that already carries `batch_tokens`, when drafting
         costs `seconds_per_draft` per token; 0 for a plain step."""
-        base = cost.step_seconds(batch_tokens)
-        if base is None:
+        times = cost.curve(batch_tokens, batch_tokens + self.max_draft)
+        if times is None:
             return 0
+        base = times[0]
+        acceptance = self.acceptance
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            spent = cost.step_seconds(batch_tokens + k) + k * seconds_per_draft
-            gain = expected_tokens(self.acceptance, k) * base / spent
+            gain = expected_tokens(acceptance, k) * base / (times[k] + k * seconds_per_draft)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         if best_k == 0:
             self._plain_steps += 1
             probe = min(PROBE_DRAFT, self.max_draft)
-            probe_cost = cost.step_seconds(batch_tokens + probe) - base + probe * seconds_per_draft
+            probe_cost = times[probe] - base + probe * seconds_per_draft
             if self._plain_steps >= max(REPROBE_STEPS, probe_cost / (PROBE_BUDGET * base)):
                 self._plain_steps = 0
                 best_k = probe

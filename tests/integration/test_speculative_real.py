@@ -38,8 +38,8 @@ def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,), draft_path=None):
 class FreeDrafts(CostModel):
     """Tells the controller drafts cost nothing, so every lookup hit is verified: the most exposure."""
 
-    def step_seconds(self, n_tokens):
-        return 1.0
+    def curve(self, first, last):
+        return [1.0] * (last - first + 1)
 
 
 def test_greedy_answer_is_identical_with_prompt_lookup_and_drafts_are_accepted(native_libraries, smollm2_path):

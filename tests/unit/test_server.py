@@ -589,6 +589,7 @@ def test_speculation_shows_in_usage_and_metrics():
     assert f'reame_spec_decode_accepted_total{{source="lookup"}} {details["accepted_prediction_tokens"]}' in metrics
     assert 'reame_spec_decode_steps_total{kind="speculative"}' in metrics
     assert 'reame_spec_decode_acceptance{position="1"}' in metrics
+    assert 'reame_spec_decode_draft_seconds_per_token{source="lookup"}' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

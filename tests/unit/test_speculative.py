@@ -34,8 +34,8 @@ class FrozenCost(CostModel):
     def observe(self, n_tokens, seconds):
         pass
 
-    def step_seconds(self, n_tokens):
-        return 1.0 + self.per_token * (n_tokens - 1)
+    def curve(self, first, last):
+        return [1.0 + self.per_token * (n - 1) for n in range(first, last + 1)]
 
 
 def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule):
