@@ -104,10 +104,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", help="comma-separated server names to run (default: all); each family's "
+                        "plain server is added for the ratios")
     args = parser.parse_args()
     path = str(model_path(args.model))
     draft = str(model_path(args.draft)) if args.draft else ""
-    names = tuple(name for name in SERVERS if draft or "draft" not in name)
+    wanted = set(args.only.split(",")) | {"reame off", "llama-server"} if args.only else set(SERVERS)
+    names = tuple(name for name in SERVERS if name in wanted and (draft or "draft" not in name))
     servers = {name: start(name, path, draft, args) for name in names}
     speeds: dict[tuple[str, str], list[float]] = {}
     try:

@@ -230,7 +230,8 @@ def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str
                    n_seq: int = 1) -> ModelSettings:
     return ModelSettings(
         str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
-        n_seq_max=n_seq,
+        n_seq_max=n_seq, outputs_per_seq=values["speculative.max_draft_tokens"].value + 1
+        if values["speculative.enabled"].value else 1,
         n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
         kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
         use_mlock=values["memory.use_mlock"].value)

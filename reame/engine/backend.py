@@ -43,6 +43,7 @@ class Backend(Protocol):
     n_ctx_seq: int  # what one sequence may use
     n_seq_max: int
     n_batch: int  # most tokens one decode() call takes
+    n_outputs_per_seq: int  # outputs a chain attached to a sequence (run in the graph) can draw per step
     bos_token: int
     eos_token: int
     add_bos: bool  # the model wants BOS in front of a prompt
@@ -125,6 +126,9 @@ class ModelSettings:
     use_mmap: bool = True
     use_mlock: bool = False
     graph_sampling: bool = True  # sample inside the decode graph where the chain allows it
+    # Tokens an attached (in-graph) chain may draw for one sequence in one step: a speculative step
+    # verifies a sequence's next token and its drafts, max_draft_tokens + 1 outputs.
+    outputs_per_seq: int = 1
 
     @property
     def unified_kv(self) -> bool:
@@ -256,6 +260,7 @@ class LlamaBackend:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = settings.n_threads_batch or threads
         ctx_params.kv_unified = settings.unified_kv
+        ctx_params.n_outputs_max_per_seq = settings.outputs_per_seq
         ctx_params.no_perf = False
         kv_type = {"f16": t.GGML_TYPE_F16, "q8_0": t.GGML_TYPE_Q8_0, "q4_0": t.GGML_TYPE_Q4_0}[settings.kv_type]
         ctx_params.type_k = kv_type
@@ -277,6 +282,7 @@ class LlamaBackend:
         self.n_ctx_seq = api.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = api.llama_n_seq_max(self._ctx)
         self.n_batch = api.llama_n_batch(self._ctx)
+        self.n_outputs_per_seq = settings.outputs_per_seq
         self.bos_token = api.llama_vocab_bos(self._vocab)
         self.eos_token = api.llama_vocab_eos(self._vocab)
         self.add_bos = bool(api.llama_vocab_get_add_bos(self._vocab))

@@ -158,6 +158,7 @@ class FakeBackend:
         self.n_ctx_seq = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
+        self.n_outputs_per_seq = n_batch
         self.bos_token = BOS
         self.eos_token = EOS
         self.add_bos = True
@@ -166,6 +167,7 @@ class FakeBackend:
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
         self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
+        self.sampler_seq_ids: list[int | None] = []  # per chain: the sequence it was attached to, if any
 
     # --- vocabulary ---
 
@@ -244,6 +246,7 @@ class FakeBackend:
         return DECODE_OK
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> FakeSampler:
+        self.sampler_seq_ids.append(seq_id)
         return FakeSampler(steps)
 
     def sample(self, sampler: FakeSampler, index: int) -> int:

@@ -297,9 +297,13 @@ class Engine:
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
         seq_id, shared = self._pick_slot(handle.prompt_tokens)
         speculate = self.speculation is not None and not handle.request.warm
-        # Sampling inside the graph draws one token per sequence and step: logprobs, and the several
-        # draws a speculative step verifies, need the chain to sample on the CPU instead.
-        on_cpu = handle.request.logprobs is not None or speculate
+        # A chain runs inside the graph (cheaper than a pass over the vocabulary on the CPU) unless the
+        # request wants logprobs, or it speculates and the graph cannot draw its drafts' rows: a
+        # context made for one output per sequence, or a chain whose draws depend on each other
+        # (penalties see each draw; a seeded draw sequence must stay the CPU chain's).
+        drafts_in_graph = params.greedy and not params.penalised and self.speculation is not None and \
+            self.speculation.max_draft < backend.n_outputs_per_seq
+        on_cpu = handle.request.logprobs is not None or (speculate and not drafts_in_graph)
         sampler = backend.new_sampler(steps, None if on_cpu else seq_id)
         try:
             if params.penalised:
@@ -465,7 +469,8 @@ class Engine:
         for sequence, index, drafts, drafting in samplers:
             self._verify(sequence, index, drafts, drafting)
         if self.speculation is not None:
-            self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
+            if not prefilled:  # prompt tokens need no logits: cheaper than the rows a verification outputs
+                self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
             self.speculation.stats.step(drafted_here > len(decoding))
 
     def _drafts(self, sequence: _Sequence, batch_tokens: int) -> tuple[Drafting | None, list[int]]:

@@ -237,3 +237,32 @@ def test_an_end_of_text_inside_drafts_ends_the_answer_like_plain_decoding():
     fast, _ = generate(prompt, SamplingParams(temperature=0, max_tokens=50),
                        Speculation(PromptLookup(), max_draft=6, cost=FrozenCost()), rule=ends_after_cat)
     assert fast.tokens == plain.tokens and fast.finish.reason == plain.finish.reason == "stop"
+
+
+@pytest.mark.parametrize("params, outputs_per_seq, in_graph", [
+    (GREEDY, 256, True),
+    (GREEDY, 4, False),  # the context cannot draw 1 + 4 rows per sequence in the graph
+    (SamplingParams(temperature=0.8, seed=1, max_tokens=40), 256, False),
+    (SamplingParams(temperature=0, repeat_penalty=1.2, max_tokens=40), 256, False),
+])
+def test_greedy_requests_verify_drafts_inside_the_graph_when_the_context_allows(params, outputs_per_seq, in_graph):
+    backend = FakeBackend(n_ctx=4096, n_batch=256, rule=copying_rule)
+    backend.n_outputs_per_seq = outputs_per_seq
+    with Engine(backend, speculation=Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())) as engine:
+        result = engine.generate(GenerationRequest(COPY_TEXT * 2, params))
+    assert backend.sampler_seq_ids == [0 if in_graph else None]
+    assert result.finish.usage.draft_tokens > 0
+
+
+def test_only_decode_steps_teach_the_cost_model():
+    """Prompt rows carry no logits: a prefill step would make long drafts look cheap."""
+    class Recording(FrozenCost):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def observe(self, n_tokens, seconds):
+            self.sizes.append(n_tokens)
+    cost = Recording()
+    generate(COPY_TEXT, GREEDY, Speculation(PromptLookup(), max_draft=4, cost=cost))
+    assert cost.sizes and max(cost.sizes) <= 5 < len(COPY_TEXT)
