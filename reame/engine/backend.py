@@ -171,16 +171,21 @@ class ModelSettings:
 _llama_log = logging.getLogger("reame.llama")
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 _log_state = {"partial": "", "level": 0}
+_LOG_WARN, _LOG_CONT = 3, 5  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_CONT (types.py), without importing it here
 _log_callback = None  # keeps the ctypes callback alive
 _init_lock = threading.Lock()
 _backend_ready = False
 
 
 def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
+    # Called from inside llama_decode too (dozens of debug lines when a graph is rebuilt): lines
+    # nobody reads are dropped before any work, unless REAME_LLAMA_VERBOSE asked for them.
+    if level != _LOG_CONT:
+        _log_state["level"] = level
+    if _log_state["level"] < _LOG_WARN and not _llama_log.isEnabledFor(logging.DEBUG):
+        return
     from reame.ctypes_llama import types as t
     chunk = (text or b"").decode("utf-8", "replace")
-    if level != t.GGML_LOG_LEVEL_CONT:
-        _log_state["level"] = level
     _log_state["partial"] += chunk
     if not _log_state["partial"].endswith("\n"):
         return
