@@ -409,7 +409,8 @@ class Engine:
                 decoding.append(sequence)
         drafted_here = len(decoding)  # tokens the step carries so far: what the draft controllers weigh
         for sequence in decoding:
-            drafting, drafts = self._drafts(sequence, drafted_here) if sequence.draftings else (None, [])
+            drafting, drafts = self._drafts(sequence, drafted_here, len(decoding)) if sequence.draftings \
+                else (None, [])
             drafted_here += len(drafts)
             samplers.append((sequence, len(tokens), drafts, drafting))
             tokens.append(sequence.next_token)
@@ -473,7 +474,7 @@ class Engine:
                 self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
             self.speculation.stats.step(drafted_here > len(decoding))
 
-    def _drafts(self, sequence: _Sequence, batch_tokens: int) -> tuple[Drafting | None, list[int]]:
+    def _drafts(self, sequence: _Sequence, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
         """Tokens to verify after the sequence's next one, and their source: as many as its
         controller finds worth it, within the answer's and the context's room and the batch."""
         assert self.speculation is not None
@@ -484,7 +485,7 @@ class Engine:
                    self.backend.n_batch - batch_tokens - 1)
         if room <= 0:
             return None, []
-        return self.speculation.propose(sequence.draftings, batch_tokens, room)
+        return self.speculation.propose(sequence.draftings, batch_tokens, sequences, room)
 
     def _verify(self, sequence: _Sequence, index: int, drafts: list[int], drafting: Drafting | None) -> None:
         """Sample the sequence's outputs in order: drafts are accepted while the model's own choice

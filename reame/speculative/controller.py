@@ -11,8 +11,12 @@ measured:
   number of tokens per step, so it follows the machine as it gets busier or
   quieter.
 - `DraftController` (one per sequence and source) keeps a forgetting estimate
-  of that sequence's acceptance and picks the k that maximises
-  E(k) * T(n) / T(n + k). When no k beats plain decoding it drafts nothing,
+  of that sequence's acceptance and picks the k that maximises the step's
+  tokens per second, (Y - 1 + E(k)) / Y * T(n) / T(n + k), where the step
+  would otherwise yield Y tokens (one per decoding sequence): a draft slows
+  the whole batch down but speeds up only its own sequence, so beside three
+  other streams it must be four times as good as alone. When no k beats
+  plain decoding it drafts nothing,
   and later it tries a short draft again: one user's free prose does not
   switch speculation off for another's extraction, and a sequence whose text
   turns repetitive gets it back.
@@ -20,8 +24,8 @@ measured:
 A source that computes its drafts (a draft model) also costs time before the
 step: the engine measures it per drafted token, and the controller adds it to
 the step's cost. The re-probes of a switched-off source are spaced so that
-they cost at most PROBE_BUDGET of the time since the last one (and never
-come sooner than every REPROBE_STEPS steps): cheap prompt lookup is re-probed
+they cost at most PROBE_BUDGET of the time since the last one, shared among
+the sequences of a batch (and never come sooner than every REPROBE_STEPS steps): cheap prompt lookup is re-probed
 often, a draft model that does not pay on this machine rarely.
 """
 
@@ -33,6 +37,7 @@ from collections import Counter
 COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
+PRIOR_ACCEPTANCE = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
 MODELLED_TOKENS = 64  # steps up to this size feed the cost model
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
 REPROBE_STEPS = 32
@@ -123,9 +128,11 @@ class DraftController:
     def acceptance(self) -> float:
         return self._accepted / (self._accepted + self._rejected)
 
-    def draft_length(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0) -> int:
-        """How many tokens to draft in a step that already carries `batch_tokens`, when drafting
-        costs `seconds_per_draft` per token; 0 for a plain step."""
+    def draft_length(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0,
+                     batch_yield: float = 1.0) -> int:
+        """How many tokens to draft in a step that already carries `batch_tokens` and would yield
+        `batch_yield` tokens (its sequences' next tokens), when drafting costs `seconds_per_draft`
+        per token; 0 for a plain step."""
         times = cost.curve(batch_tokens, batch_tokens + self.max_draft)
         if times is None:
             return 0
@@ -133,14 +140,16 @@ class DraftController:
         acceptance = self.acceptance
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            gain = expected_tokens(acceptance, k) * base / (times[k] + k * seconds_per_draft)
+            step_yield = batch_yield - 1 + expected_tokens(acceptance, k)
+            gain = step_yield / batch_yield * base / (times[k] + k * seconds_per_draft)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         if best_k == 0:
             self._plain_steps += 1
             probe = min(PROBE_DRAFT, self.max_draft)
+            # Every sequence of the batch may probe: each gets its share of the budget.
             probe_cost = times[probe] - base + probe * seconds_per_draft
-            if self._plain_steps >= max(REPROBE_STEPS, probe_cost / (PROBE_BUDGET * base)):
+            if self._plain_steps >= max(REPROBE_STEPS, probe_cost * batch_yield / (PROBE_BUDGET * base)):
                 self._plain_steps = 0
                 best_k = probe
         return best_k

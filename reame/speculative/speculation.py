@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reame.speculative.controller import CostModel, DraftController, SpeculationStats
+from reame.speculative.controller import PRIOR_ACCEPTANCE, CostModel, DraftController, SpeculationStats
 from reame.speculative.source import Drafter, DraftSource
 
 log = logging.getLogger("reame.speculative")
@@ -38,13 +38,14 @@ class _SourceRecord:
     """What one source achieved and cost lately, over every sequence."""
 
     def __init__(self) -> None:
-        self.acceptance: float | None = None
+        # Starts at the controller's neutral prior, so one lucky (or unlucky) verification moves a
+        # new sequence's starting point by a tenth, not all the way.
+        self.acceptance = PRIOR_ACCEPTANCE
         self._seconds = 0.0
         self._tokens = 0.0
 
     def verified(self, rate: float) -> None:
-        self.acceptance = rate if self.acceptance is None else \
-            self.acceptance * SOURCE_PRIOR_DECAY + rate * (1 - SOURCE_PRIOR_DECAY)
+        self.acceptance = self.acceptance * SOURCE_PRIOR_DECAY + rate * (1 - SOURCE_PRIOR_DECAY)
 
     def proposed(self, tokens: int, seconds: float) -> None:
         self._seconds = self._seconds * DRAFT_COST_DECAY + seconds
@@ -76,11 +77,13 @@ class Speculation:
         return [Drafting(source.name, source.drafter(prompt), DraftController(self.max_draft, priors[source.name]))
                 for source in self.sources]
 
-    def propose(self, draftings: Sequence[Drafting], batch_tokens: int, room: int) -> tuple[Drafting | None, list[int]]:
-        """The first draft a source whose controller finds it worth it offers, and that source."""
+    def propose(self, draftings: Sequence[Drafting], batch_tokens: int, batch_yield: int,
+                room: int) -> tuple[Drafting | None, list[int]]:
+        """The first draft offered by a source whose controller finds it worth it in a step carrying
+        `batch_tokens` for `batch_yield` sequences, and that source."""
         for drafting in draftings:
             record = self._records[drafting.source]
-            k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft)
+            k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
             if not k:
                 continue
             started = time.perf_counter()

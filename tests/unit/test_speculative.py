@@ -266,3 +266,14 @@ def test_only_decode_steps_teach_the_cost_model():
     cost = Recording()
     generate(COPY_TEXT, GREEDY, Speculation(PromptLookup(), max_draft=4, cost=cost))
     assert cost.sizes and max(cost.sizes) <= 5 < len(COPY_TEXT)
+
+
+def test_a_draft_beside_other_streams_must_pay_for_slowing_them_all():
+    cost = CostModel()
+    for n in range(1, 12):
+        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))  # each extra row costs 30% of a one-token step
+    alone = DraftController(max_draft=8, prior=0.6)
+    crowded = DraftController(max_draft=8, prior=0.6)
+    assert alone.draft_length(cost, 1, batch_yield=1) > 0
+    assert crowded.draft_length(cost, 4, batch_yield=4) == 0, "(3 + E) / 4 tokens for a 16% longer step: a loss"
+    assert DraftController(max_draft=8, prior=0.98).draft_length(cost, 4, batch_yield=4) > 0
