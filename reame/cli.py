@@ -301,7 +301,8 @@ def stats_line(finish: FinishEvent) -> str:
     usage = finish.usage
     note = f" ({finish.message})" if finish.message else ""
     cached = f" ({usage.cached_tokens} from cache)" if usage.cached_tokens else ""
-    drafts = f" ({usage.accepted_draft_tokens}/{usage.draft_tokens} drafts accepted)" if usage.draft_tokens else ""
+    drafts = f" ({usage.accepted_draft_tokens}/{usage.draft_tokens} drafts accepted, " \
+        f"{usage.tokens_per_step:.2f} tokens per step)" if usage.draft_tokens else ""
     return (f"prompt {usage.prompt_tokens} tokens{cached}, {usage.prompt_tokens_per_second:.1f} tok/s · "
             f"generated {usage.completion_tokens} tokens{drafts}, {usage.decode_tokens_per_second:.1f} tok/s · "
             f"finish {finish.reason}{note}")

@@ -184,6 +184,13 @@ class Usage:
         n = self.completion_tokens - 1
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each model pass emitted on average: its own draw plus the drafts it accepted
+        (1.0 without speculation), i.e. speculative decoding's speed-up in steps."""
+        passes = self.completion_tokens - self.accepted_draft_tokens
+        return self.completion_tokens / passes if passes > 0 else 1.0
+
 
 FINISH_STOP = "stop"  # end-of-generation token or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context is full

@@ -83,7 +83,7 @@ def test_greedy_answer_is_identical_with_a_draft_model_that_drafts_for_it(native
 def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
     result = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE)
     assert result.returncode == 0, result.stderr
-    assert "drafts accepted" in result.stderr
+    assert "drafts accepted" in result.stderr and "tokens per step)" in result.stderr
     off = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE,
                 env={"REAME_SPECULATIVE_ENABLED": "0"})
     assert off.stdout == result.stdout and "drafts accepted" not in off.stderr

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from reame.engine.request import GenerationRequest, SamplingParams
+from reame.engine.request import GenerationRequest, SamplingParams, Usage
 from reame.errors import RequestError
 
 
@@ -35,3 +35,9 @@ def test_invalid_prompt_is_rejected(prompt):
     with pytest.raises(RequestError) as raised:
         GenerationRequest(prompt)
     assert raised.value.param == "prompt"
+
+
+def test_tokens_per_step_counts_each_pass_with_the_drafts_it_accepted():
+    assert Usage(5, 100, 0.1, 1.0, draft_tokens=60, accepted_draft_tokens=50).tokens_per_step == 2.0
+    assert Usage(5, 100, 0.1, 1.0).tokens_per_step == 1.0
+    assert Usage(5, 0, 0.1, 0.0).tokens_per_step == 1.0
