@@ -68,6 +68,7 @@ class DraftModel:
     """The draft-model source. Owns `backend` (closed with the source)."""
 
     name = "draft"
+    free = False
 
     def __init__(self, backend: Backend, target: Backend, draft_name: str, min_probability: float = 0.75) -> None:
         check_same_vocabulary(target, backend, draft_name)

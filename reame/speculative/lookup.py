@@ -16,6 +16,7 @@ class PromptLookup:
     """The prompt-lookup draft source (`name` "lookup")."""
 
     name = "lookup"
+    free = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         self.max_ngram = max(1, max_ngram)

@@ -32,6 +32,7 @@ class Drafting:
     source: str
     drafter: Drafter
     controller: DraftController
+    free: bool  # the source's proposals cost next to nothing (DraftSource.free)
 
 
 class _SourceRecord:
@@ -74,8 +75,8 @@ class Speculation:
         """A new sequence's draftings, each controller starting from what its source achieved lately."""
         with self._lock:
             priors = {name: record.acceptance for name, record in self._records.items()}
-        return [Drafting(source.name, source.drafter(prompt), DraftController(self.max_draft, priors[source.name]))
-                for source in self.sources]
+        return [Drafting(source.name, source.drafter(prompt), DraftController(self.max_draft, priors[source.name]),
+                         source.free) for source in self.sources]
 
     def propose(self, draftings: Sequence[Drafting], batch_tokens: int, batch_yield: int,
                 room: int) -> tuple[Drafting | None, list[int]]:
@@ -83,13 +84,18 @@ class Speculation:
         `batch_tokens` for `batch_yield` sequences, and that source."""
         for drafting in draftings:
             record = self._records[drafting.source]
-            k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
-            if not k:
-                continue
-            started = time.perf_counter()
-            drafts = drafting.drafter.propose(min(k, room))
-            with self._lock:
-                record.proposed(len(drafts), time.perf_counter() - started)
+            if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
+                drafts = drafting.drafter.propose(min(self.max_draft, room))
+                if drafts:
+                    drafts = drafts[:drafting.controller.draft_length(self.cost, batch_tokens, 0.0, batch_yield)]
+            else:  # weigh first: proposing is the expensive part
+                k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
+                if not k:
+                    continue
+                started = time.perf_counter()
+                drafts = drafting.drafter.propose(min(k, room))
+                with self._lock:
+                    record.proposed(len(drafts), time.perf_counter() - started)
             if drafts:
                 return drafting, drafts
         return None, []

@@ -117,6 +117,7 @@ class AlwaysDraft:
     """A source that always proposes the same token: accepted with probability p(token)."""
 
     name = "always"
+    free = True
 
     def __init__(self, token):
         self.token = token
