@@ -352,10 +352,10 @@ def new_speculation(backend: LlamaBackend, values: dict[str, config.Value]) -> S
 
 def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
     """The draft model in a context shaped like the target's (threads, length, slots), with batches
-    as large as its catch-up steps."""
+    as large as its catch-up steps and one output per sequence and step (its top candidates)."""
     path, _ = resolve_model(name)
     settings = dataclasses.replace(target.settings, path=str(path), n_batch=CATCH_UP_TOKENS,
-                                   n_ubatch=CATCH_UP_TOKENS)
+                                   n_ubatch=CATCH_UP_TOKENS, outputs_per_seq=1)
     draft = LlamaBackend(settings)
     try:
         source = DraftModel(draft, target, path.name, min_probability)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from reame.cache.fingerprint import kv_fingerprint, model_content_hash
+from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 from reame.engine.sampling import Step
 from reame.errors import ModelError, ModelFileError
 
@@ -171,7 +172,6 @@ class ModelSettings:
 _llama_log = logging.getLogger("reame.llama")
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 _log_state = {"partial": "", "level": 0}
-_LOG_WARN, _LOG_CONT = 3, 5  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_CONT (types.py), without importing it here
 _log_callback = None  # keeps the ctypes callback alive
 _init_lock = threading.Lock()
 _backend_ready = False
@@ -180,11 +180,10 @@ _backend_ready = False
 def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
     # Called from inside llama_decode too (dozens of debug lines when a graph is rebuilt): lines
     # nobody reads are dropped before any work, unless REAME_LLAMA_VERBOSE asked for them.
-    if level != _LOG_CONT:
+    if level != t.GGML_LOG_LEVEL_CONT:
         _log_state["level"] = level
-    if _log_state["level"] < _LOG_WARN and not _llama_log.isEnabledFor(logging.DEBUG):
+    if _log_state["level"] < t.GGML_LOG_LEVEL_WARN and not _llama_log.isEnabledFor(logging.DEBUG):
         return
-    from reame.ctypes_llama import types as t
     chunk = (text or b"").decode("utf-8", "replace")
     _log_state["partial"] += chunk
     if not _log_state["partial"].endswith("\n"):
@@ -210,7 +209,6 @@ def _init_native() -> None:
         if _backend_ready:
             return
         from reame.ctypes_llama import _lib, api
-        from reame.ctypes_llama import types as t
         api.load()
         if os.environ.get("REAME_LLAMA_VERBOSE"):
             _llama_log.setLevel(logging.DEBUG)
@@ -236,7 +234,6 @@ class LlamaBackend:
         settings = settings.validated()
         _init_native()
         from reame.ctypes_llama import api
-        from reame.ctypes_llama import types as t
         self._api = api
         self.settings = settings
         self._model = None
@@ -315,7 +312,6 @@ class LlamaBackend:
         computation; keeping one measured about 3% faster decode on 2 cores.
         Returns the pool (freed in close), or None when the CPU backend offers none.
         """
-        from reame.ctypes_llama import types as t
         api = self._api
         device = api.ggml_backend_dev_by_type(t.GGML_BACKEND_DEVICE_TYPE_CPU)
         registry = api.ggml_backend_dev_backend_reg(device) if device else None
@@ -397,7 +393,6 @@ class LlamaBackend:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
         if self._chat_template is None:
             return fallback_chat_format(messages, add_assistant)
-        from reame.ctypes_llama import types as t
         encoded = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]
         chat = (t.llama_chat_message * len(encoded))(*[t.llama_chat_message(r, c) for r, c in encoded])
         capacity = sum(len(r) + len(c) for r, c in encoded) * 2 + 256
@@ -472,7 +467,6 @@ class LlamaBackend:
         `free_sampler`.
         """
         api = self._api
-        from reame.ctypes_llama import types as t
         chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
         for step in steps:
             kind, args = step.kind, step.args

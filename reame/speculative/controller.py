@@ -7,26 +7,26 @@ T(n), where T is the time of a step carrying n tokens. On a GPU, T is flat in
 small n and drafting is nearly free; on two CPU cores it is not, so both are
 measured:
 
-- `CostModel` keeps a moving average of the engine's own step times for each
-  number of tokens per step, so it follows the machine as it gets busier or
-  quieter.
+- `CostModel` keeps a moving average of the engine's own decode step times
+  for each number of tokens per step, so it follows the machine as it gets
+  busier or quieter.
 - `DraftController` (one per sequence and source) keeps a forgetting estimate
   of that sequence's acceptance and picks the k that maximises the step's
   tokens per second, (Y - 1 + E(k)) / Y * T(n) / T(n + k), where the step
   would otherwise yield Y tokens (one per decoding sequence): a draft slows
   the whole batch down but speeds up only its own sequence, so beside three
-  other streams it must be four times as good as alone. When no k beats
-  plain decoding it drafts nothing,
-  and later it tries a short draft again: one user's free prose does not
-  switch speculation off for another's extraction, and a sequence whose text
-  turns repetitive gets it back.
+  other streams it must be far better than alone. When no k beats plain
+  decoding it drafts nothing, and later it tries a short draft again: one
+  user's free prose does not switch speculation off for another's
+  extraction, and a sequence whose text turns repetitive gets it back.
 
 A source that computes its drafts (a draft model) also costs time before the
 step: the engine measures it per drafted token, and the controller adds it to
 the step's cost. The re-probes of a switched-off source are spaced so that
 they cost at most PROBE_BUDGET of the time since the last one, shared among
-the sequences of a batch (and never come sooner than every REPROBE_STEPS steps): cheap prompt lookup is re-probed
-often, a draft model that does not pay on this machine rarely.
+the sequences of a batch, and never come sooner than every REPROBE_STEPS
+steps: cheap prompt lookup is re-probed often, a draft model that does not
+pay on this machine rarely.
 """
 
 from __future__ import annotations
