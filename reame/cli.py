@@ -230,9 +230,7 @@ def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str
                    n_seq: int = 1) -> ModelSettings:
     return ModelSettings(
         str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
-        n_seq_max=n_seq, outputs_per_seq=values["speculative.max_draft_tokens"].value + 1
-        if values["speculative.enabled"].value else 1,
-        n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
+        n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
         kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
         use_mlock=values["memory.use_mlock"].value)
 
@@ -352,10 +350,10 @@ def new_speculation(backend: LlamaBackend, values: dict[str, config.Value]) -> S
 
 def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
     """The draft model in a context shaped like the target's (threads, length, slots), with batches
-    as large as its catch-up steps and one output per sequence and step (its top candidates)."""
+    as large as its catch-up steps."""
     path, _ = resolve_model(name)
     settings = dataclasses.replace(target.settings, path=str(path), n_batch=CATCH_UP_TOKENS,
-                                   n_ubatch=CATCH_UP_TOKENS, outputs_per_seq=1)
+                                   n_ubatch=CATCH_UP_TOKENS)
     draft = LlamaBackend(settings)
     try:
         source = DraftModel(draft, target, path.name, min_probability)

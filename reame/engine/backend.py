@@ -44,7 +44,6 @@ class Backend(Protocol):
     n_ctx_seq: int  # what one sequence may use
     n_seq_max: int
     n_batch: int  # most tokens one decode() call takes
-    n_outputs_per_seq: int  # outputs a chain attached to a sequence (run in the graph) can draw per step
     bos_token: int
     eos_token: int
     add_bos: bool  # the model wants BOS in front of a prompt
@@ -70,7 +69,8 @@ class Backend(Protocol):
         ...
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
-        """A sampler chain; given `seq_id`, the backend may run it inside the model's graph."""
+        """A sampler chain; given `seq_id`, the backend may run it inside the model's graph
+        (one output per sequence and step)."""
         ...
 
     def sample(self, sampler: object, index: int) -> int: ...
@@ -126,10 +126,6 @@ class ModelSettings:
     flash_attn: str = "auto"
     use_mmap: bool = True
     use_mlock: bool = False
-    graph_sampling: bool = True  # sample inside the decode graph where the chain allows it
-    # Tokens an attached (in-graph) chain may draw for one sequence in one step: a speculative step
-    # verifies a sequence's next token and its drafts, max_draft_tokens + 1 outputs.
-    outputs_per_seq: int = 1
 
     @property
     def unified_kv(self) -> bool:
@@ -262,7 +258,6 @@ class LlamaBackend:
         ctx_params.n_threads = threads
         ctx_params.n_threads_batch = settings.n_threads_batch or threads
         ctx_params.kv_unified = settings.unified_kv
-        ctx_params.n_outputs_max_per_seq = settings.outputs_per_seq
         ctx_params.no_perf = False
         kv_type = {"f16": t.GGML_TYPE_F16, "q8_0": t.GGML_TYPE_Q8_0, "q4_0": t.GGML_TYPE_Q4_0}[settings.kv_type]
         ctx_params.type_k = kv_type
@@ -284,7 +279,6 @@ class LlamaBackend:
         self.n_ctx_seq = api.llama_n_ctx_seq(self._ctx)
         self.n_seq_max = api.llama_n_seq_max(self._ctx)
         self.n_batch = api.llama_n_batch(self._ctx)
-        self.n_outputs_per_seq = settings.outputs_per_seq
         self.bos_token = api.llama_vocab_bos(self._vocab)
         self.eos_token = api.llama_vocab_eos(self._vocab)
         self.add_bos = bool(api.llama_vocab_get_add_bos(self._vocab))
@@ -459,12 +453,15 @@ class LlamaBackend:
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
         """Build a llama sampler chain; with `seq_id`, attach it to that sequence.
 
-        An attached chain runs inside the decode graph ("backend sampling"):
-        the argmax or draw happens beside the logits instead of on a
-        vocabulary-sized array in a second pass, which is measurably faster.
-        `sample()` then returns the token the graph picked. A chain is attached
-        at most once (llama.cpp asserts on a second attach) and detached by
-        `free_sampler`.
+        An attached chain runs inside the decode graph ("backend sampling") and
+        `sample()`/`top_tokens()` read what the graph picked. On this CPU backend
+        that is no faster than sampling afterwards over the logits (greedy: equal;
+        temperature: 3-4% slower; top_p, which sorts the vocabulary in the graph:
+        50-60% slower per step), so the engine keeps its chains on the CPU; the
+        draft model attaches its top-k, whose ten candidates then come out of the
+        graph instead of a vocabulary-sized array read in Python. A chain is
+        attached at most once (llama.cpp asserts on a second attach) and detached
+        by `free_sampler`.
         """
         api = self._api
         chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
@@ -493,7 +490,7 @@ class LlamaBackend:
                 api.llama_sampler_free(chain)
                 raise ModelError(f"unknown sampler step {kind}")
             api.llama_sampler_chain_add(chain, sampler)
-        if seq_id is not None and self.settings.graph_sampling and api.llama_set_sampler(self._ctx, seq_id, chain):
+        if seq_id is not None and api.llama_set_sampler(self._ctx, seq_id, chain):
             self._attached[chain] = seq_id
         return chain
 

@@ -158,7 +158,6 @@ class FakeBackend:
         self.n_ctx_seq = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
-        self.n_outputs_per_seq = n_batch
         self.bos_token = BOS
         self.eos_token = EOS
         self.add_bos = True

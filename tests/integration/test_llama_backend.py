@@ -4,7 +4,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
 from reame.engine.backend import DECODE_OK, LlamaBackend
-from reame.engine.sampling import chain_steps
+from reame.engine.sampling import Step, chain_steps
 
 from .conftest import settings_for
 
@@ -157,18 +157,20 @@ def test_ignore_eos_runs_to_max_tokens(backend):
     assert len(result.tokens) == 64 and result.finish.reason == "length"
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-    SamplingParams(temperature=0, max_tokens=32, repeat_penalty=1.3, presence_penalty=0.5,
-                   frequency_penalty=0.5, logit_bias={2: 5.0}),
-])
-def test_sampling_inside_the_graph_picks_the_same_tokens_as_on_the_cpu(backend, smollm2_path, params):
-    with Engine(backend) as engine:
-        in_graph = engine.generate(GenerationRequest(PROMPT, params)).tokens
-    with LlamaBackend(settings_for(smollm2_path, graph_sampling=False)) as cpu_backend:
-        with Engine(cpu_backend) as engine:
-            on_cpu = engine.generate(GenerationRequest(PROMPT, params)).tokens
-    assert in_graph == on_cpu
+def test_a_top_k_chain_inside_the_graph_finds_the_best_logits(backend, smollm2_path):
+    """What the draft model relies on: its candidates come out of the graph, no logits copied."""
+    tokens = backend.tokenize(PROMPT)
+    batch = (tokens, list(range(len(tokens))), [0] * len(tokens), [False] * (len(tokens) - 1) + [True])
+    backend.seq_rm(0)
+    assert backend.decode(*batch) == DECODE_OK
+    logits = backend.logits(len(tokens) - 1)
+    expected = sorted(range(len(logits)), key=lambda token: -logits[token])[:10]
+    with LlamaBackend(settings_for(smollm2_path)) as graph_backend:
+        graph_backend.new_sampler([Step("top_k", (10,))], 0)
+        assert graph_backend.decode(*batch) == DECODE_OK
+        found = graph_backend.top_tokens(len(tokens) - 1, 10)
+    assert [token for token, _ in found] == expected
+    assert [value for _, value in found] == pytest.approx([logits[token] for token in expected], rel=1e-4)
 
 
 def test_four_concurrent_requests_complete_and_repeat_run_to_run(backend):

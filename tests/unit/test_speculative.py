@@ -240,18 +240,13 @@ def test_an_end_of_text_inside_drafts_ends_the_answer_like_plain_decoding():
     assert fast.tokens == plain.tokens and fast.finish.reason == plain.finish.reason == "stop"
 
 
-@pytest.mark.parametrize("params, outputs_per_seq, in_graph", [
-    (GREEDY, 256, True),
-    (GREEDY, 4, False),  # the context cannot draw 1 + 4 rows per sequence in the graph
-    (SamplingParams(temperature=0.8, seed=1, max_tokens=40), 256, False),
-    (SamplingParams(temperature=0, repeat_penalty=1.2, max_tokens=40), 256, False),
-])
-def test_greedy_requests_verify_drafts_inside_the_graph_when_the_context_allows(params, outputs_per_seq, in_graph):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=1, max_tokens=40)])
+def test_the_engine_samples_on_the_cpu_never_inside_the_graph(params):
+    """An attached chain measured no faster here, and in-graph top_p 50-60% slower (see new_sampler)."""
     backend = FakeBackend(n_ctx=4096, n_batch=256, rule=copying_rule)
-    backend.n_outputs_per_seq = outputs_per_seq
     with Engine(backend, speculation=Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())) as engine:
         result = engine.generate(GenerationRequest(COPY_TEXT * 2, params))
-    assert backend.sampler_seq_ids == [0 if in_graph else None]
+    assert backend.sampler_seq_ids == [None]
     assert result.finish.usage.draft_tokens > 0
 
 
