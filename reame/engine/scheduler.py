@@ -297,7 +297,7 @@ class Engine:
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
         seq_id, shared = self._pick_slot(handle.prompt_tokens)
         speculate = self.speculation is not None and not handle.request.warm
-        # On the CPU, over the logits: sampling inside the graph measured no faster here (see new_sampler).
+        # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
             if params.penalised:

@@ -242,7 +242,7 @@ def test_an_end_of_text_inside_drafts_ends_the_answer_like_plain_decoding():
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=1, max_tokens=40)])
 def test_the_engine_samples_on_the_cpu_never_inside_the_graph(params):
-    """An attached chain measured no faster here, and in-graph top_p 50-60% slower (see new_sampler)."""
+    """An attached chain measured slower on the CPU backend (see LlamaBackend.new_sampler)."""
     backend = FakeBackend(n_ctx=4096, n_batch=256, rule=copying_rule)
     with Engine(backend, speculation=Speculation(PromptLookup(), max_draft=4, cost=FrozenCost())) as engine:
         result = engine.generate(GenerationRequest(COPY_TEXT * 2, params))
