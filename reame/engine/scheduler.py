@@ -523,7 +523,8 @@ class Engine:
             return
         sequence.generated_tokens.append(token)
         if sequence.draftings:
-            Speculation.observe(sequence.draftings, (token,))
+            assert self.speculation is not None
+            self.speculation.observe(sequence.draftings, (token,))
         text = sequence.stream.push(backend.token_piece(token))
         sequence.handle._put(TokenEvent(token, text, logprob, top))
         if sequence.stream.stopped:

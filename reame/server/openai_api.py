@@ -82,6 +82,10 @@ class App:
             samples.append(Sample("reame_spec_decode_draft_seconds_per_token", "gauge",
                                   "recent drafting time per drafted token, by draft source", {"source": source},
                                   seconds))
+        for source, acceptance in sorted(speculation.acceptance().items()):
+            samples.append(Sample("reame_spec_decode_source_acceptance", "gauge",
+                                  "recent acceptance per draft token, verified or guessed, by draft source",
+                                  {"source": source}, acceptance))
         return samples
 
     def count_response(self, status: int) -> None:

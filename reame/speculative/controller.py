@@ -22,11 +22,12 @@ measured:
 
 A source that computes its drafts (a draft model) also costs time before the
 step: the engine measures it per drafted token, and the controller adds it to
-the step's cost. The re-probes of a switched-off source are spaced so that
-they cost at most PROBE_BUDGET of the time since the last one, shared among
-the sequences of a batch, and never come sooner than every REPROBE_STEPS
-steps: cheap prompt lookup is re-probed often, a draft model that does not
-pay on this machine rarely.
+the step's cost. A switched-off draft model is re-probed with a short draft,
+spaced so that the probes cost at most PROBE_BUDGET of the time since the last
+one, shared among the sequences of a batch, and never sooner than every
+REPROBE_STEPS steps. A free source (prompt lookup) needs no probes: while it
+is off, its guesses are checked against the tokens the model then emits
+(Speculation.observe), which measures its acceptance exactly and for nothing.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class DraftController:
     """Draft length for one sequence and one source."""
 
-    def __init__(self, max_draft: int, prior: float | None = None) -> None:
+    def __init__(self, max_draft: int, prior: float | None = None, probes: bool = True) -> None:
+        """`prior`: the acceptance to start from; `probes`: whether to try a short draft now and then
+        while drafting does not pay (a source whose guesses are checked for free needs none)."""
         self.max_draft = max_draft
+        self.probes = probes
         weight = PRIOR_ACCEPTED + PRIOR_REJECTED
         self._accepted = prior * weight if prior is not None else PRIOR_ACCEPTED
         self._rejected = weight - self._accepted
@@ -144,7 +148,7 @@ class DraftController:
             gain = step_yield / batch_yield * base / (times[k] + k * seconds_per_draft)
             if gain > best_gain:
                 best_k, best_gain = k, gain
-        if best_k == 0:
+        if best_k == 0 and self.probes:
             self._plain_steps += 1
             probe = min(PROBE_DRAFT, self.max_draft)
             # Every sequence of the batch may probe: each gets its share of the budget.
@@ -155,7 +159,8 @@ class DraftController:
         return best_k
 
     def verified(self, drafted: int, accepted: int) -> None:
-        """A verification of `drafted` tokens accepted the first `accepted` of them."""
+        """A verification of `drafted` tokens accepted the first `accepted` of them (or would have:
+        a guess checked against what the model emitted counts the same)."""
         self._accepted = self._accepted * ACCEPTANCE_DECAY + accepted
         self._rejected = self._rejected * ACCEPTANCE_DECAY + (1 if accepted < drafted else 0)
         self._plain_steps = 0

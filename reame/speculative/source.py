@@ -31,8 +31,9 @@ class Drafter(Protocol):
 class DraftSource(Protocol):
     name: str
     # Proposing costs next to nothing (an index lookup): the engine asks the drafter before the
-    # controller, which then only weighs steps that have a draft. Otherwise the controller decides
-    # first and the proposal's time is measured and charged to the source.
+    # controller, which then only weighs steps that have a draft, and a guess not worth verifying
+    # is checked against the tokens emitted next instead of re-probing. Otherwise the controller
+    # decides first and the proposal's time is measured and charged to the source.
     free: bool
 
     def drafter(self, prompt: Sequence[int]) -> Drafter: ...

@@ -6,6 +6,12 @@ sources (prompt lookup) go first, a draft model fills in where they have
 nothing. What each source achieves (acceptance) and costs (seconds per
 drafted token) is learned across sequences, so a new sequence starts from
 what the source did lately.
+
+A free source's guess that is not worth verifying is kept as a shadow and
+compared with the tokens the model emits next: how far it would have been
+accepted is exactly what a verification would have found (drafts are checked
+by drawing from the model and comparing), so its acceptance is learned
+without spending a step on it, and it drafts again when its guesses turn good.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reame.speculative.controller import PRIOR_ACCEPTANCE, CostModel, DraftController, SpeculationStats
 from reame.speculative.source import Drafter, DraftSource
@@ -33,6 +39,8 @@ class Drafting:
     drafter: Drafter
     controller: DraftController
     free: bool  # the source's proposals cost next to nothing (DraftSource.free)
+    shadow: list[int] = field(default_factory=list)  # an unverified guess, checked against emitted tokens
+    shadow_matched: int = 0  # how many of its tokens the model has emitted so far
 
 
 class _SourceRecord:
@@ -75,8 +83,9 @@ class Speculation:
         """A new sequence's draftings, each controller starting from what its source achieved lately."""
         with self._lock:
             priors = {name: record.acceptance for name, record in self._records.items()}
-        return [Drafting(source.name, source.drafter(prompt), DraftController(self.max_draft, priors[source.name]),
-                         source.free) for source in self.sources]
+        return [Drafting(source.name, source.drafter(prompt),
+                         DraftController(self.max_draft, priors[source.name], probes=not source.free), source.free)
+                for source in self.sources]
 
     def propose(self, draftings: Sequence[Drafting], batch_tokens: int, batch_yield: int,
                 room: int) -> tuple[Drafting | None, list[int]]:
@@ -85,9 +94,13 @@ class Speculation:
         for drafting in draftings:
             record = self._records[drafting.source]
             if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
-                drafts = drafting.drafter.propose(min(self.max_draft, room))
+                guess = drafting.drafter.propose(min(self.max_draft, room))
+                drafts = guess[:drafting.controller.draft_length(self.cost, batch_tokens, 0.0, batch_yield)] \
+                    if guess else []
                 if drafts:
-                    drafts = drafts[:drafting.controller.draft_length(self.cost, batch_tokens, 0.0, batch_yield)]
+                    drafting.shadow = []  # the verification measures this stretch
+                elif guess and not drafting.shadow:
+                    drafting.shadow, drafting.shadow_matched = guess, 0
             else:  # weigh first: proposing is the expensive part
                 k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
                 if not k:
@@ -101,10 +114,32 @@ class Speculation:
         return None, []
 
     def verified(self, drafting: Drafting, drafted: int, accepted: int) -> None:
-        drafting.controller.verified(drafted, accepted)
+        self._learn(drafting, drafted, accepted)
         self.stats.verified(drafting.source, drafted, accepted)
+
+    def observe(self, draftings: Sequence[Drafting], tokens: Sequence[int]) -> None:
+        """The sequence emitted `tokens`: its drafters see them, and pending guesses are checked."""
+        for drafting in draftings:
+            drafting.drafter.observe(tokens)
+            for token in tokens:
+                if not drafting.shadow:
+                    break
+                if token == drafting.shadow[drafting.shadow_matched]:
+                    drafting.shadow_matched += 1
+                    if drafting.shadow_matched < len(drafting.shadow):
+                        continue
+                self._learn(drafting, len(drafting.shadow), drafting.shadow_matched)
+                drafting.shadow = []
+
+    def _learn(self, drafting: Drafting, drafted: int, accepted: int) -> None:
+        drafting.controller.verified(drafted, accepted)
         with self._lock:
             self._records[drafting.source].verified(accepted / drafted)
+
+    def acceptance(self) -> dict[str, float]:
+        """Each source's recent acceptance per draft token, verified or guessed, over all sequences."""
+        with self._lock:
+            return {name: record.acceptance for name, record in self._records.items()}
 
     def seconds_per_draft(self) -> dict[str, float]:
         with self._lock:
@@ -118,11 +153,6 @@ class Speculation:
         for source in self.sources:
             source.close()
 
-
-    @staticmethod
-    def observe(draftings: Sequence[Drafting], tokens: Sequence[int]) -> None:
-        for drafting in draftings:
-            drafting.drafter.observe(tokens)
 
     @staticmethod
     def release(draftings: Sequence[Drafting]) -> None:

@@ -590,6 +590,7 @@ def test_speculation_shows_in_usage_and_metrics():
     assert 'reame_spec_decode_steps_total{kind="speculative"}' in metrics
     assert 'reame_spec_decode_acceptance{position="1"}' in metrics
     assert 'reame_spec_decode_draft_seconds_per_token{source="lookup"}' in metrics
+    assert 'reame_spec_decode_source_acceptance{source="lookup"}' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -190,6 +190,31 @@ def test_the_controller_switches_off_for_useless_drafts_and_back_on_when_they_pa
     assert controller.draft_length(cost, 1) >= 4, "drafts that all pass earn longer drafts"
 
 
+def test_a_free_source_is_never_probed_it_learns_from_the_guesses_it_did_not_verify():
+    cost = CostModel()
+    for n in range(1, 10):
+        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))
+    controller = DraftController(max_draft=8, probes=False)
+    for _ in range(6):
+        controller.verified(4, 0)
+    assert [controller.draft_length(cost, 1) for _ in range(10 * REPROBE_STEPS)] == [0] * 10 * REPROBE_STEPS
+    for _ in range(3):  # guesses the model then emitted, checked for free
+        controller.verified(8, 8)
+    assert controller.draft_length(cost, 1) > 0
+
+
+@pytest.mark.parametrize("rule, learned", [(copying_rule, "good"), (default_rule, "bad")])
+def test_prompt_lookup_acceptance_is_measured_without_spending_a_step(rule, learned):
+    """Drafts cost a whole step here, so none pays: no draft is verified, yet the lookup's
+    acceptance follows what the model emitted after each guess."""
+    speculation = Speculation(PromptLookup(), max_draft=8, cost=FrozenCost(per_token=1.0))
+    result, _ = generate(COPY_TEXT * 2, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         speculation, rule=rule)
+    assert result.finish.usage.draft_tokens == 0
+    acceptance = speculation.acceptance()["lookup"]
+    assert acceptance > 0.9 if learned == "good" else acceptance < 0.1
+
+
 def test_expected_tokens_and_the_measured_step_costs():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0
