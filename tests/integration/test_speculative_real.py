@@ -1,7 +1,5 @@
 """Speculative decoding on the real model: the same greedy answer, with drafts accepted."""
 
-import pytest
-
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend
 from reame.speculative import CostModel, PromptLookup, Speculation
