@@ -153,7 +153,6 @@ class Speculation:
         for source in self.sources:
             source.close()
 
-
     @staticmethod
     def release(draftings: Sequence[Drafting]) -> None:
         """The sequence ended: its drafters give back what they hold. A drafter that fails to is
