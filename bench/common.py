@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import sys
@@ -12,6 +13,21 @@ sys.path.insert(0, str(ROOT))
 
 from reame import catalog, fetch, native
 from reame.engine.backend import usable_cores
+
+
+def bench_parser(doc: str, model: str | None, tokens: int, reps: int, tokens_help: str | None = None,
+                 reps_help: str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark takes: the model (`None`: repeatable, none by default), 2 threads,
+    tokens per measurement and repetitions; the description is `doc`'s first line."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if model is None:
+        parser.add_argument("--model", action="append", help="catalog name or path (repeatable)")
+    else:
+        parser.add_argument("--model", default=model, help="catalog name or path")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=tokens, help=tokens_help)
+    parser.add_argument("--reps", type=int, default=reps, help=reps_help)
+    return parser
 
 
 def model_path(name: str) -> Path:

@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 
-from common import ROOT, machine, model_path, print_table, server_command
+from common import ROOT, bench_parser, machine, model_path, print_table, server_command
 from server import free_port, stream_once, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -102,13 +102,9 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = bench_parser(__doc__, "smollm2-135m", tokens=64, reps=2)
     parser.add_argument("--clients", type=int, action="append")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--long-prompt", type=int, default=0, metavar="TOKENS",
                         help="instead: 2 running streams, and a prompt of about TOKENS arriving mid-stream")
     args = parser.parse_args()

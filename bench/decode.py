@@ -12,12 +12,11 @@ speed drifting during the run). Needs `python build_zipapp.py --lib --bench-tool
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 
-from common import llama_tool, machine, model_path, print_table, summary
+from common import bench_parser, llama_tool, machine, model_path, print_table, summary
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
@@ -60,11 +59,7 @@ def bench_model(name: str, threads: int, n_tokens: int, reps: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", help="catalog name or path (repeatable)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=5)
+    parser = bench_parser(__doc__, None, tokens=128, reps=5)
     args = parser.parse_args()
     models = args.model or ["smollm2-135m", "qwen2.5-coder-1.5b"]
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · reps {args.reps}, alternating\n")

@@ -14,13 +14,12 @@ KV type (alternating, in one process). Needs numpy.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
-from common import machine, model_path, print_table
+from common import bench_parser, machine, model_path, print_table
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend, ModelSettings
@@ -67,11 +66,8 @@ def decode_speed(path: str, threads: int, kv: str, prompt: list[int], n_tokens: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=1536, help="positions compared")
-    parser.add_argument("--reps", type=int, default=3, help="decode-speed runs per KV type")
+    parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=1536, reps=3, tokens_help="positions compared",
+                          reps_help="decode-speed runs per KV type")
     args = parser.parse_args()
     path = str(model_path(args.model))
     top1, mean_kl, p99_kl, positions = agreement(path, args.threads, args.tokens)

@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 
-from common import machine, model_path, print_table, summary
+from common import bench_parser, machine, model_path, print_table, summary
 
 from reame import native
 
@@ -41,11 +41,7 @@ def measure(lib_dir: str, model: str, threads: int, n_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=6)
+    parser = bench_parser(__doc__, None, tokens=128, reps=6)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -14,11 +14,10 @@ decode and sampling together, and the paired ratio in-graph / CPU.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from common import machine, model_path, print_table, summary
+from common import bench_parser, machine, model_path, print_table, summary
 
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.engine.request import SamplingParams
@@ -52,11 +51,7 @@ def ms_per_token(backend: LlamaBackend, params: SamplingParams, in_graph: bool, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=6)
+    parser = bench_parser(__doc__, "smollm2-135m", tokens=128, reps=6)
     args = parser.parse_args()
     settings = ModelSettings(str(model_path(args.model)), n_ctx=2048, n_threads=args.threads)
     rows = []

@@ -13,7 +13,6 @@ streamed token; TTFT from sending the request to the first token.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -24,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, machine, model_path, print_table, server_command, summary
+from common import ROOT, bench_parser, machine, model_path, print_table, server_command, summary
 
 from reame.native import LLAMA_COMMIT
 
@@ -82,11 +81,7 @@ def stream_once(port: int, n_tokens: int, tag: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=6)
+    parser = bench_parser(__doc__, "smollm2-135m", tokens=128, reps=6)
     args = parser.parse_args()
     path = str(model_path(args.model))
     ports = {"llama-server": free_port(), "reame": free_port()}

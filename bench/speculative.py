@@ -28,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import ROOT, machine, model_path, print_table, server_command
+from common import ROOT, bench_parser, machine, model_path, print_table, server_command
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -98,12 +98,8 @@ def start(name: str, path: str, draft: str, args: argparse.Namespace) -> tuple[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=120, reps=3)
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model ('' = no draft rows)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=120)
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", help="comma-separated server names to run (default: all); each family's "
                         "plain server is added for the ratios")
     args = parser.parse_args()
