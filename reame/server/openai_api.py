@@ -322,10 +322,15 @@ class App:
         reserved = self.session_for(fields, n, prompts)
         session = reserved[1] if reserved else None
 
+        released = False
+
         def release_session() -> None:
             # As soon as every choice has finished (the engine has stored the session's state), not
             # after the answer is written: a client's next turn may arrive before this thread returns.
-            if reserved:
+            # Once only: by the `finally` below, that next turn may hold the session.
+            nonlocal released
+            if reserved and not released:
+                released = True
                 self.ready_sessions().release(reserved[0])
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()

@@ -617,3 +617,28 @@ def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkey
                                                            "max_tokens": 4, "session": session_id,
                                                            "stream": stream})
     assert busy_when_sent == [set()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_finished_request_never_frees_the_session_for_the_next_turn(with_sessions, monkeypatch, stream):
+    """The next turn reserves the session while this answer is being sent; that reservation must hold."""
+    from reame.server.http import Handler
+    sessions = with_sessions.app.sessions
+    session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
+    original_json, original_event = Handler.send_json, Handler.send_event
+
+    def send_json(self, status, body, *args, **kwargs):
+        if isinstance(body, dict) and "choices" in body:
+            sessions.acquire(session_id)  # the client's next turn arrives
+        return original_json(self, status, body, *args, **kwargs)
+
+    def send_event(self, event):
+        if event == "[DONE]":
+            sessions.acquire(session_id)
+        return original_event(self, event)
+    monkeypatch.setattr(Handler, "send_json", send_json)
+    monkeypatch.setattr(Handler, "send_event", send_event)
+    with_sessions.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 4, "session": session_id,
+                                                           "stream": stream})
+    assert sessions._busy == {session_id}
