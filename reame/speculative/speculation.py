@@ -92,7 +92,6 @@ class Speculation:
         """The first draft offered by a source whose controller finds it worth it in a step carrying
         `batch_tokens` for `batch_yield` sequences, and that source."""
         for drafting in draftings:
-            record = self._records[drafting.source]
             if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
                 guess = drafting.drafter.propose(min(self.max_draft, room))
                 drafts = guess[:drafting.controller.draft_length(self.cost, batch_tokens, 0.0, batch_yield)] \
@@ -102,6 +101,7 @@ class Speculation:
                 elif guess and not drafting.shadow:
                     drafting.shadow, drafting.shadow_matched = guess, 0
             else:  # weigh first: proposing is the expensive part
+                record = self._records[drafting.source]
                 k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
                 if not k:
                     continue
