@@ -40,3 +40,13 @@ def native_libraries():
 def smollm2_path() -> Path:
     from reame import catalog, fetch, native
     return fetch.ensure_model(catalog.resolve("smollm2-135m"), native.cache_root() / "models")
+
+
+@pytest.fixture
+def no_zstandard(monkeypatch):
+    """This process as a Python without the zstandard module: `import zstandard` fails."""
+    from reame.cache import codec
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    codec._zstandard.cache_clear()
+    yield
+    codec._zstandard.cache_clear()

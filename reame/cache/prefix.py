@@ -43,6 +43,7 @@ STATS = {
     "bytes_written": "bytes of snapshot files written",
     "evictions": "snapshot files removed to keep the disk budget",
     "corrupt_dropped": "damaged snapshot files found and removed",
+    "unreadable_skipped": "compressed snapshot files skipped: this Python has no zstandard",
     "restore_failed": "snapshots this context could not restore",
     "writes_skipped": "snapshots not written (disk busy, full or too small a budget)",
 }

@@ -14,7 +14,9 @@ Several processes share one directory: writes and evictions hold an exclusive
 file) go first when the byte budget is exceeded, and each process rescans the
 directory when it changed, so it sees the others' new files without a restart.
 A truncated, corrupt or foreign file is removed and counted, never fatal; a
-file of another model (another fingerprint) is left alone for its owner.
+file of another model (another fingerprint) is left alone for its owner, and so
+is a compressed file this Python cannot read (no zstandard): skipped and
+counted, for the processes that can.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from reame.cache import codec
+from reame.cache.codec import CodecUnavailable
 from reame.errors import CacheError
 
 log = logging.getLogger("reame.cache")
@@ -84,13 +88,12 @@ def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list
     """A snapshot's file but its trailer, as consecutive parts (the state is not copied);
     compressed only when a sample shows that it pays. `write_atomically` adds the trailer."""
     blob = snapshot.blob
-    codec, payload = CODEC_RAW, blob
+    codec_id, payload = CODEC_RAW, blob
     if compress and _compression_pays(blob):
-        import zstandard
-        packed = zstandard.ZstdCompressor(level=1).compress(blob)
-        if len(packed) < len(blob) * COMPRESS_WORTH_RATIO:
-            codec, payload = CODEC_ZSTD, packed
-    return [HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec, len(payload), len(blob)),
+        packed = codec.compress(blob)
+        if packed is not None and len(packed) < len(blob) * COMPRESS_WORTH_RATIO:
+            codec_id, payload = CODEC_ZSTD, packed
+    return [HEADER.pack(MAGIC, VERSION, fingerprint, len(snapshot.tokens), codec_id, len(payload), len(blob)),
             pack_tokens(snapshot.tokens), payload]
 
 
@@ -101,8 +104,9 @@ def encode(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> bytes:
 
 
 def decode(data: bytes | bytearray | mmap.mmap, fingerprint: bytes) -> Snapshot:
-    """Parse and verify a whole file; CacheError says what is wrong with it. The blob is a view into `data`."""
-    n_tokens, codec, payload_size, raw_size = _parse_header(data[:HEADER.size], fingerprint)
+    """Parse and verify a whole file; CacheError says what is wrong with it (CodecUnavailable: nothing,
+    but this Python cannot decompress it). The blob is a view into `data`."""
+    n_tokens, codec_id, payload_size, raw_size = _parse_header(data[:HEADER.size], fingerprint)
     tokens_end = HEADER.size + 4 * n_tokens
     if len(data) != tokens_end + payload_size + TRAILER.size:
         raise CacheError("the file is truncated or has trailing bytes")
@@ -110,12 +114,8 @@ def decode(data: bytes | bytearray | mmap.mmap, fingerprint: bytes) -> Snapshot:
     if zlib.crc32(view[:-TRAILER.size]) != TRAILER.unpack_from(data, len(data) - TRAILER.size)[0]:
         raise CacheError("checksum mismatch")
     payload: bytes | memoryview = view[tokens_end:tokens_end + payload_size]
-    if codec == CODEC_ZSTD:
-        import zstandard
-        try:
-            payload = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_size)
-        except zstandard.ZstdError as error:
-            raise CacheError(f"cannot decompress: {error}") from None
+    if codec_id == CODEC_ZSTD:
+        payload = codec.decompress(payload, raw_size)
     if len(payload) != raw_size:
         raise CacheError("the state has the wrong size")
     return Snapshot(unpack_tokens(bytes(view[HEADER.size:tokens_end])), payload)
@@ -128,22 +128,22 @@ class ForeignFingerprint(CacheError):
 def _parse_header(head: bytes, fingerprint: bytes) -> tuple[int, int, int, int]:
     if len(head) < HEADER.size:
         raise CacheError("the file is truncated")
-    magic, version, file_fingerprint, n_tokens, codec, payload_size, raw_size = HEADER.unpack(head)
+    magic, version, file_fingerprint, n_tokens, codec_id, payload_size, raw_size = HEADER.unpack(head)
     if magic != MAGIC:
         raise CacheError("not a Reame KV snapshot")
     if version != VERSION:
         raise CacheError(f"snapshot format version {version}, this Reame reads {VERSION}")
-    if codec not in (CODEC_RAW, CODEC_ZSTD) or n_tokens > MAX_TOKENS:
+    if codec_id not in (CODEC_RAW, CODEC_ZSTD) or n_tokens > MAX_TOKENS:
         raise CacheError("the header is damaged")
     if file_fingerprint != fingerprint:
         raise ForeignFingerprint("written for another model, library or KV layout")
-    return n_tokens, codec, payload_size, raw_size
+    return n_tokens, codec_id, payload_size, raw_size
 
 
-def _compression_pays(blob: bytes) -> bool:
-    import zstandard
+def _compression_pays(blob: bytes | memoryview) -> bool:
     sample = blob[:COMPRESS_SAMPLE_BYTES]
-    return bool(sample) and len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * COMPRESS_WORTH_RATIO
+    packed = codec.compress(sample) if len(sample) else None
+    return packed is not None and len(packed) < len(sample) * COMPRESS_WORTH_RATIO
 
 
 def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
@@ -234,6 +234,10 @@ class DiskStore:
             return None
         try:
             snapshot = decode(data, self.fingerprint)
+        except CodecUnavailable:
+            self.entries.pop(name, None)
+            self._count("unreadable_skipped", 1)
+            return None
         except CacheError as error:
             self._drop_damaged(name, str(error))
             return None
@@ -270,7 +274,7 @@ class DiskStore:
         try:
             with path.open("rb") as stream:
                 head = stream.read(HEADER.size)
-                n_tokens, _, payload_size, _ = _parse_header(head, self.fingerprint)
+                n_tokens, codec_id, payload_size, _ = _parse_header(head, self.fingerprint)
                 token_bytes = stream.read(4 * n_tokens)
                 size = os.fstat(stream.fileno()).st_size
         except ForeignFingerprint:
@@ -282,6 +286,9 @@ class DiskStore:
             return None
         if len(token_bytes) != 4 * n_tokens or size != HEADER.size + 4 * n_tokens + payload_size + TRAILER.size:
             self._drop_damaged(name, "the file is truncated or has trailing bytes")
+            return None
+        if codec_id == CODEC_ZSTD and not codec.available():
+            self._count("unreadable_skipped", 1)  # once: `refresh` looks at each file name once
             return None
         return unpack_tokens(token_bytes)
 

@@ -18,6 +18,7 @@ import secrets
 import threading
 from pathlib import Path
 
+from reame.cache.codec import CodecUnavailable
 from reame.cache.store import ForeignFingerprint, Snapshot, decode, encode_parts, write_atomically
 from reame.engine import SessionState
 from reame.errors import CacheError
@@ -101,6 +102,8 @@ class Sessions:
             saved = decode(data, self.fingerprint)
         except ForeignFingerprint:
             raise self._unusable(session_id, "it was saved by another model or context layout") from None
+        except CodecUnavailable as error:
+            raise self._unusable(session_id, str(error)) from None
         except CacheError as error:
             raise self._unusable(session_id, f"the file is damaged ({error})") from None
         with self._lock:

@@ -152,3 +152,45 @@ def test_two_processes_writing_at_once_leave_only_whole_files(tmp_path):
     for name in disk.entries:
         tag = int(name[1])
         assert disk.read(name) == Snapshot((tag, int(name.split("-")[1])), bytes([tag]) * 50_000)
+
+
+COMPRESSIBLE = Snapshot((1, 2, 3), b"\0" * 100_000)
+
+
+def test_without_zstandard_snapshots_are_stored_raw_and_read_back(tmp_path, no_zstandard):
+    assert len(encode(FINGERPRINT, COMPRESSIBLE, compress=True)) > 100_000
+    disk = DiskStore(tmp_path, FINGERPRINT, 10 << 20)
+    assert disk.write("a", COMPRESSIBLE)
+    assert DiskStore(tmp_path, FINGERPRINT, 10 << 20).read("a") == COMPRESSIBLE
+
+
+def test_without_zstandard_a_compressed_file_is_skipped_counted_and_left_for_others(tmp_path, monkeypatch):
+    from reame.cache import codec
+    DiskStore(tmp_path, FINGERPRINT, 10 << 20).write("zipped", COMPRESSIBLE)
+    path = tmp_path / "zipped.kvs"
+    assert path.stat().st_size < 10_000
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "zstandard", None)
+        codec._zstandard.cache_clear()
+        with pytest.raises(codec.CodecUnavailable):
+            decode(path.read_bytes(), FINGERPRINT)
+        counts = {}
+        disk = DiskStore(tmp_path, FINGERPRINT, 10 << 20,
+                         count=lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n))
+        disk.refresh()
+        assert disk.entries == {} and counts == {"unreadable_skipped": 1}
+        assert disk.read("zipped") is None and counts == {"unreadable_skipped": 2}
+        assert path.exists(), "a file another process can read is not removed"
+    codec._zstandard.cache_clear()
+    assert DiskStore(tmp_path, FINGERPRINT, 10 << 20).read("zipped") == COMPRESSIBLE
+
+
+def test_a_missing_zstandard_is_said_once_at_info_level(no_zstandard, caplog):
+    from reame.cache import codec
+    with caplog.at_level("INFO", logger="reame.cache"):
+        assert codec.compress(b"x" * 1000) is None
+        assert codec.compress(b"y" * 1000) is None
+        assert not codec.available()
+    said = [record for record in caplog.records if "zstandard" in record.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO"
+    assert codec.describe().startswith("zstandard missing")

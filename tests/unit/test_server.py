@@ -3,6 +3,7 @@
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -642,3 +643,36 @@ def test_a_finished_request_never_frees_the_session_for_the_next_turn(with_sessi
                                                            "max_tokens": 4, "session": session_id,
                                                            "stream": stream})
     assert sessions._busy == {session_id}
+
+
+def test_without_zstandard_sessions_save_and_load_raw(no_zstandard, with_sessions, tmp_path):
+    from reame.server.sessions import Sessions
+    session_id = with_sessions.json("POST", "/v1/sessions", {"id": "raw-chat"})[1]["id"]
+    chat_turns(with_sessions, session_id)
+    assert with_sessions.json("POST", f"/v1/sessions/{session_id}/save")[1]["saved"] is True
+    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-a")
+    assert with_sessions.json("POST", f"/v1/sessions/{session_id}/load")[0] == 200
+    assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[1]["tokens"] > 20
+
+
+def test_a_compressed_session_without_zstandard_is_refused_naming_the_module(with_sessions, tmp_path, monkeypatch):
+    from reame.cache import codec
+    from reame.cache.store import Snapshot, encode
+    path = tmp_path / "sessions" / "zipped.session"
+    path.parent.mkdir()
+    path.write_bytes(encode(with_sessions.app.sessions.fingerprint, Snapshot((1, 2), b"\0" * 100_000), compress=True))
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "zstandard", None)
+        codec._zstandard.cache_clear()
+        status, body = with_sessions.json("POST", "/v1/sessions/zipped/load")
+    codec._zstandard.cache_clear()
+    assert status == 409 and body["error"]["code"] == "session_unusable"
+    assert "zstandard" in body["error"]["message"]
+
+
+def test_without_zstandard_the_prefix_cache_stores_and_serves(no_zstandard, cached):
+    assert cached.json("POST", "/v1/warm", {"prompt": DOC})[1]["warmed"] is True
+    cached.app.engine.backend.clear()
+    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
+    status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
