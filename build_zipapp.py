@@ -7,22 +7,26 @@
     python build_zipapp.py --lib --portable  only the portable build (a CPU variant per ISA level)
     python build_zipapp.py --bench-tools     llama-bench / llama-server, for bench/ only
 
-The pin is llama.cpp as vendored in one exact `llama-cpp-python` sdist, fetched
-with `pip download` (so the user's pip configuration and mirrors apply) and
-checked against a sha256.  Builds are cached outside the checkout, keyed by pin,
-machine and flags, under `~/.cache/reame/llama/` (`$REAME_CACHE` overrides the
-root), so a fresh clone or a CI run never rebuilds what exists.
+Needs only the standard library, pip, CMake and a C++ compiler. The pin is
+llama.cpp as vendored in one exact `llama-cpp-python` sdist; the .pyz also
+carries the `zstandard` extension, as binary wheels for every supported CPython
+minor. Both are fetched with `pip download` (so the user's pip configuration
+and mirrors apply) and checked against sha256 sums. Downloads and builds are
+cached outside the checkout, under `~/.cache/reame/` (`$REAME_CACHE` overrides
+the root), so a fresh clone or a CI run never fetches or rebuilds what exists.
 
-Every failure is one line on stderr and exit status 1.
+Prerequisites are checked before any long work: a missing tool, pip or package
+index is one line and exit status 2, in about a second. Any later failure is
+one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -31,23 +35,46 @@ import tarfile
 import tempfile
 import time
 import zipapp
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from reame.native import LIBRARY_STEMS, LLAMA_COMMIT, build_dir, cache_root
+from reame.native import BUNDLE_DIR, LIBRARY_STEMS, LLAMA_COMMIT, build_dir, cache_root, describe_build, machine
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"  # vendors llama.cpp at LLAMA_COMMIT
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
+ZSTANDARD_VERSION = "0.25.0"
+# Every CPython minor that `requires-python` admits and zstandard ships wheels for; each gets its build.
+PYTHON_MINORS = ("3.11", "3.12", "3.13", "3.14")
+WHEEL_PLATFORMS = {"x86_64": "manylinux2014_x86_64", "aarch64": "manylinux2014_aarch64"}
+ZSTANDARD_SHA256 = {
+    ("3.11", "x86_64"): "9300d02ea7c6506f00e627e287e0492a5eb0371ec1670ae852fefffa6164b072",
+    ("3.12", "x86_64"): "5a56ba0db2d244117ed744dfa8f6f5b366e14148e00de44723413b2f3938a902",
+    ("3.13", "x86_64"): "8e735494da3db08694d26480f1493ad2cf86e99bdd53e8e9771b2752a5c0246a",
+    ("3.14", "x86_64"): "e09bb6252b6476d8d56100e8147b803befa9a12cea144bbe629dd508800d1ad0",
+    ("3.11", "aarch64"): "01582723b3ccd6939ab7b3a78622c573799d5d8737b534b86d0e06ac18dbde4a",
+    ("3.12", "aarch64"): "6dffecc361d079bb48d7caef5d673c88c8988d3d33fb74ab95b7ee6da42652ea",
+    ("3.13", "aarch64"): "bfc4e20784722098822e3eee42b8e576b379ed72cca4a7cb856ae733e62192ea",
+    ("3.14", "aarch64"): "223415140608d0f0da010499eaa8ccdb9af210a543fac54bce15babbcfc78439",
+}
+
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
 BENCH_TOOLS = ("llama-bench", "llama-server")
+# What a missing prerequisite is called, and its Debian/Ubuntu package.
+PACKAGES = {"cmake": "cmake", "a C++ compiler": "g++", "pip": "python3-pip"}
+INDEX_PROBE_TIMEOUT_S = 2
 
 
 class BuildError(Exception):
     """A build step failed; the message is the one line the user sees."""
+
+
+class MissingPrerequisite(BuildError):
+    """A tool, pip or the package index is missing: found before any long work (exit status 2)."""
 
 
 def say(message: str) -> None:
@@ -56,9 +83,13 @@ def say(message: str) -> None:
 
 # --- source --------------------------------------------------------------------------
 
+def sdist_path(download_dir: Path) -> Path:
+    return download_dir / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
+
+
 def fetch_sdist(download_dir: Path) -> Path:
     """Download the pinned sdist with pip and verify its sha256."""
-    archive = download_dir / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
+    archive = sdist_path(download_dir)
     if not archive.exists():
         download_dir.mkdir(parents=True, exist_ok=True)
         say(f"downloading {SDIST_NAME}=={SDIST_VERSION} source with pip")
@@ -76,6 +107,95 @@ def fetch_sdist(download_dir: Path) -> Path:
         raise BuildError(f"checksum mismatch for {archive.name}: got {digest}, "
                          f"expected {SDIST_SHA256}; the file was removed, run again")
     return archive
+
+
+def sdist_dir() -> Path:
+    return cache_root() / "downloads" / "sdist"
+
+
+def wheel_cache() -> Path:
+    return cache_root() / "downloads" / "wheels"
+
+
+def cached_zstandard_wheel(minor: str, arch: str) -> Path | None:
+    """The verified wheel in the cache, or None (a file with the wrong sum is removed)."""
+    tag = "cp" + minor.replace(".", "")
+    for wheel in wheel_cache().glob(f"zstandard-{ZSTANDARD_VERSION}-{tag}-{tag}-*{arch}*.whl"):
+        if sha256_of(wheel) == ZSTANDARD_SHA256[minor, arch]:
+            return wheel
+        wheel.unlink()
+    return None
+
+
+def fetch_zstandard_wheel(minor: str, arch: str) -> Path:
+    """The zstandard binary wheel for one CPython minor and machine, fetched with pip once."""
+    wheel = cached_zstandard_wheel(minor, arch)
+    if wheel is not None:
+        return wheel
+    say(f"downloading zstandard=={ZSTANDARD_VERSION} for CPython {minor} on {arch} with pip")
+    tag = "cp" + minor.replace(".", "")
+    command = [sys.executable, "-m", "pip", "download", "--only-binary", ":all:", "--no-deps",
+               "--platform", WHEEL_PLATFORMS[arch], "--python-version", minor, "--implementation", "cp",
+               "--abi", tag, "--disable-pip-version-check", "-q", "-d", str(_ensure(wheel_cache())),
+               f"zstandard=={ZSTANDARD_VERSION}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheel = cached_zstandard_wheel(minor, arch)
+    if wheel is None:
+        tail = (result.stderr.strip().splitlines() or ["pip produced no file with the expected sha256"])[-1]
+        raise BuildError(f"cannot download zstandard=={ZSTANDARD_VERSION} for CPython {minor} on {arch}: {tail}")
+    return wheel
+
+
+def unpack_zstandard(wheel: Path, destination: Path, arch: str) -> None:
+    """The package's Python files and its C backend (not the cffi one) into `destination`/zstandard,
+    the backend's debug information stripped when binutils for `arch` are at hand (11 MB -> 1 MB)."""
+    package = destination / "zstandard"
+    package.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            name = member.removeprefix("zstandard/")
+            if name == member or not (name == "__init__.py" or name.startswith("backend_c.")):
+                continue
+            (package / name).write_bytes(archive.read(member))
+            if name.endswith(".so"):
+                strip = shutil.which("strip" if arch == machine() else f"{arch}-linux-gnu-strip")
+                if strip and subprocess.run([strip, "--strip-debug", str(package / name)],
+                                            capture_output=True).returncode != 0:
+                    say(f"could not strip {name}; packing it as it is")
+
+
+# --- prerequisites -------------------------------------------------------------------
+
+def preflight(compiles: bool, downloads: list[str]) -> None:
+    """Refuse at once, in one line, what would fail after minutes: a build with no cmake or compiler,
+    downloads (named in `downloads`) with no pip or no reachable package index."""
+    missing = []
+    if compiles:
+        if shutil.which("cmake") is None:
+            missing.append("cmake")
+        if not any(shutil.which(compiler) for compiler in ("c++", "g++", "clang++")):
+            missing.append("a C++ compiler")
+    if downloads and importlib.util.find_spec("pip") is None:
+        missing.append("pip")
+    if missing:
+        packages = " ".join(PACKAGES[name] for name in missing)
+        venv_hint = "; in a virtual environment: python -m ensurepip" if "pip" in missing else ""
+        raise MissingPrerequisite(f"{' and '.join(missing)} missing: install with `apt-get install {packages}` "
+                                  f"(Debian/Ubuntu{venv_hint}) and run again")
+    if downloads:
+        probe_package_index(downloads)
+
+
+def probe_package_index(downloads: list[str]) -> None:
+    """Ask pip, with the user's settings, whether its index answers: a quick question before long work."""
+    command = [sys.executable, "-m", "pip", "index", "versions", "zstandard", "--retries", "0",
+               "--timeout", str(INDEX_PROBE_TIMEOUT_S), "--disable-pip-version-check"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no answer"])[-1]
+        raise MissingPrerequisite(f"no package index answers pip ({tail}), and {', '.join(downloads)} "
+                                  "must be downloaded once: connect to the network or set pip's index "
+                                  "(pip config list), then run again")
 
 
 def sha256_of(path: Path) -> str:
@@ -116,13 +236,6 @@ def unpack_llama_source(archive: Path, destination: Path) -> None:
 
 
 # --- build ---------------------------------------------------------------------------
-
-def require_tools() -> None:
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None and not (tool == "c++" and shutil.which("g++")):
-            raise BuildError(f"'{tool}' not found: install it (e.g. apt-get install cmake g++) "
-                             "and run again")
-
 
 def cmake_options(portable: bool, tools: bool) -> list[str]:
     options = [
@@ -185,8 +298,7 @@ def build(portable: bool, tools: bool, jobs: int) -> Path:
     if manifest.exists():
         say(f"found cached build {target_dir}")
         return target_dir
-    require_tools()
-    archive = fetch_sdist(cache_root() / "downloads" / "sdist")
+    archive = fetch_sdist(sdist_dir())
     unpack_llama_source(archive, THIRD_PARTY)
 
     work = Path(tempfile.mkdtemp(prefix="reame-llama-build-"))
@@ -254,35 +366,26 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
     staging.rename(target_dir)
 
 
-def build_pyz(library_dir: Path, output: Path) -> Path:
-    """Pack the reame package, the shared libraries and the zstandard extension into one file."""
-    try:
-        import zstandard
-    except ImportError:
-        raise BuildError("the zstandard module is missing: pip install zstandard") from None
+def build_pyz(library_dir: Path, wheels: dict[tuple[str, str], Path], output: Path) -> Path:
+    """Pack the reame package and this machine's libllama build, with a zstandard build for every
+    CPython minor in `wheels`, into one file (layout: reame/native.py's BUNDLE_DIR)."""
+    arch = machine()
     staging = Path(tempfile.mkdtemp(prefix="reame-pyz-"))
     try:
         shutil.copytree(ROOT / "reame", staging / "reame", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         (staging / "__main__.py").write_text(
             "import runpy\nrunpy.run_module('reame', run_name='__main__', alter_sys=True)\n")
-        bundle = staging / "reame_native"
-        shutil.copytree(library_dir / "lib", bundle / "lib")
-        shutil.copytree(Path(zstandard.__file__).parent, bundle / "python" / "zstandard",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        bundle = staging / BUNDLE_DIR
+        shutil.copytree(library_dir / "lib", bundle / arch / "lib")
+        for (minor, wheel_arch), wheel in sorted(wheels.items()):
+            unpack_zstandard(wheel, bundle / wheel_arch / "python" / f"cp{minor.replace('.', '')}", wheel_arch)
+        build_manifest = json.loads((library_dir / "manifest.json").read_text())
+        build_manifest["pythons"] = sorted(minor for minor, wheel_arch in wheels if wheel_arch == arch)
         digest = hashlib.sha256()
         for path in sorted(bundle.rglob("*")):
             if path.is_file():
                 digest.update(str(path.relative_to(bundle)).encode() + b"\0" + path.read_bytes())
-        build_manifest = json.loads((library_dir / "manifest.json").read_text())
-        manifest = {
-            "sha256": digest.hexdigest(),
-            "llama_commit": LLAMA_COMMIT,
-            "platform": f"{platform.system().lower()}-{platform.machine()}",
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-            "portable": bool(build_manifest.get("portable")),
-            "cpu_variants": [name.removeprefix("libggml-cpu-").removesuffix(".so")
-                             for name in build_manifest.get("libraries", {}).get("cpu_variants", [])],
-        }
+        manifest = {"sha256": digest.hexdigest(), "llama_commit": LLAMA_COMMIT, "machines": {arch: build_manifest}}
         (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         output.parent.mkdir(parents=True, exist_ok=True)
         partial = output.with_name(output.name + ".part")
@@ -290,8 +393,8 @@ def build_pyz(library_dir: Path, output: Path) -> Path:
         os.replace(partial, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    flavour = "portable (" + ", ".join(manifest["cpu_variants"]) + ")" if manifest["portable"] else "native"
-    say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB, {flavour} libllama)")
+    say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB: {describe_build(build_manifest)} for "
+        f"{arch}; zstandard for CPython {', '.join(build_manifest['pythons'])})")
     return output
 
 
@@ -301,7 +404,7 @@ def _ensure(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--lib", action="store_true", help="only build or find the shared libraries")
     parser.add_argument("--native", action="store_true",
                         help="pack this machine's native build into the .pyz instead of the portable one")
@@ -314,11 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-dir", action="store_true",
                         help="print the build directory on stdout (for scripts)")
     args = parser.parse_args(argv)
+    packing = not (args.lib or args.bench_tools)
+    portable = not args.native if packing else args.portable
     try:
-        if not (args.lib or args.bench_tools):
-            build_pyz(build(not args.native, False, args.jobs), args.output)
+        preflight_for(portable, args.bench_tools, packing)
+        if packing:
+            wheels = {(minor, machine()): fetch_zstandard_wheel(minor, machine()) for minor in PYTHON_MINORS}
+            build_pyz(build(portable, False, args.jobs), wheels, args.output)
             return 0
-        directory = build(args.portable, args.bench_tools, args.jobs)
+        directory = build(portable, args.bench_tools, args.jobs)
+    except MissingPrerequisite as error:
+        print(f"build cannot start: {error}", file=sys.stderr)
+        return 2
     except BuildError as error:
         print(f"build failed: {error}", file=sys.stderr)
         return 1
@@ -328,6 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_dir:
         print(directory)
     return 0
+
+
+def preflight_for(portable: bool, tools: bool, packing: bool) -> None:
+    """`preflight` for what this run will do, given what the cache already holds."""
+    compiles = not (build_dir(portable, tools) / "manifest.json").exists()
+    downloads = []
+    if compiles and not sdist_path(sdist_dir()).exists():
+        downloads.append(f"the llama.cpp source ({SDIST_NAME}=={SDIST_VERSION})")
+    if packing and any(cached_zstandard_wheel(minor, machine()) is None for minor in PYTHON_MINORS):
+        downloads.append(f"zstandard=={ZSTANDARD_VERSION} wheels")
+    preflight(compiles, downloads)
 
 
 if __name__ == "__main__":

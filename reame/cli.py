@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from reame import __version__, autoconfig, catalog, config, fetch
 from reame.chat import Conversation, line_reader, repl, stream_answer
-from reame.cache import PrefixCache
+from reame.cache import PrefixCache, codec
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
@@ -143,37 +143,29 @@ class VersionAction(argparse.Action):
 
 
 def version_text() -> str:
-    """Version, pin, platform, which libllama build is in use, and whether zstandard is there."""
+    """Version, pin, platform, which libllama build is in use, and which zstd this Python has."""
     import json
     import platform
 
     from reame import native
-    manifest = native.bundle_manifest()
-    if manifest is not None:
-        where = "bundled in this .pyz"
+    bundle = native.bundle_manifest()
+    build = "libllama: not built (python build_zipapp.py --lib)"
+    manifest: dict | None = None
+    if bundle is not None:
+        manifest, where = bundle["machines"].get(native.machine()), "bundled in this .pyz"
+        if manifest is None:
+            build = f"libllama: {native.unsupported_machine(bundle)}"
     else:
         try:
             located = native.locate()
             manifest = json.loads((located.lib_dir.parent / "manifest.json").read_text())
             where = str(located.lib_dir)
         except (ReameError, OSError, ValueError):
-            manifest, where = None, ""
-    if manifest is None:
-        build = "libllama: not built (python build_zipapp.py --lib)"
-    elif manifest.get("portable"):
-        variants = manifest.get("cpu_variants") or [
-            name.removeprefix("libggml-cpu-").removesuffix(".so")
-            for name in manifest.get("libraries", {}).get("cpu_variants", [])]
-        build = f"libllama: portable build, CPU variant chosen at run time from {', '.join(variants)} ({where})"
-    else:
-        build = f"libllama: native build for the CPU it was built on ({where})"
-    try:
-        import zstandard
-        zstd = f"zstandard {zstandard.__version__}"
-    except ImportError:
-        zstd = "zstandard missing"
+            pass
+    if manifest is not None:
+        build = f"libllama: {native.describe_build(manifest)} ({where})"
     return (f"reame {__version__} (llama.cpp {LLAMA_COMMIT}, {platform.system().lower()}-{platform.machine()}, "
-            f"Python {platform.python_version()})\n{build}\n{zstd}")
+            f"Python {platform.python_version()})\n{build}\n{codec.describe()}")
 
 
 def configure_logging(level: int) -> None:

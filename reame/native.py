@@ -24,7 +24,10 @@ LLAMA_COMMIT = "0c1e57098"
 # Shared libraries of one build, in the order they must be loaded.
 LIBRARY_STEMS = ("ggml-base", "ggml-cpu", "ggml", "llama")
 BUILD_HINT = "build it with: python build_zipapp.py --lib (or set REAME_LIBLLAMA=/path/to/libllama.so)"
-BUNDLE_DIR = "reame_native"  # inside dist/reame.pyz: lib/, python/ and manifest.json
+# Inside dist/reame.pyz: manifest.json, and per machine <machine>/lib/ (libllama and ggml) and
+# <machine>/python/cp3XX/zstandard/ (one build per supported CPython minor).
+BUNDLE_DIR = "reame_native"
+MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 
 
 def cache_root() -> Path:
@@ -49,7 +52,7 @@ def build_key(portable: bool, tools: bool = False) -> str:
     if tools:
         flags += "-tools"
     host = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8] if not portable else "any"
-    return f"{LLAMA_COMMIT}-{platform.system().lower()}-{platform.machine()}-{host}-{flags}"
+    return f"{LLAMA_COMMIT}-{platform.system().lower()}-{machine()}-{host}-{flags}"
 
 
 def build_dir(portable: bool, tools: bool = False) -> Path:
@@ -76,6 +79,26 @@ class NativeLibraries:
         return None
 
 
+def machine() -> str:
+    """This CPU architecture as the bundle names it (x86_64, aarch64)."""
+    name = platform.machine().lower()
+    return MACHINE_ALIASES.get(name, name)
+
+
+def python_tag() -> str:
+    """This interpreter's CPython minor as a wheel tag (cp311)."""
+    return f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def describe_build(manifest: dict) -> str:
+    """A build's kind in words, from its manifest.json."""
+    if not manifest.get("portable"):
+        return "native build for the CPU it was built on"
+    variants = [name.removeprefix("libggml-cpu-").removesuffix(".so")
+                for name in manifest.get("libraries", {}).get("cpu_variants", [])]
+    return f"portable build, CPU variant chosen at run time from {', '.join(variants)}"
+
+
 def running_archive() -> Path | None:
     """The .pyz this package runs from, or None when it runs from plain files."""
     loader = globals().get("__loader__")
@@ -83,6 +106,7 @@ def running_archive() -> Path | None:
 
 
 def bundle_manifest() -> dict | None:
+    """What the running .pyz carries (`{"sha256", "llama_commit", "machines": {machine: {...}}}`)."""
     archive = running_archive()
     if archive is None:
         return None
@@ -93,21 +117,29 @@ def bundle_manifest() -> dict | None:
             return None
 
 
+def unsupported_machine(manifest: dict) -> str:
+    """The one line for a machine the .pyz carries no build for."""
+    carried = ", ".join(f"linux-{name}" for name in sorted(manifest["machines"]))
+    return (f"this reame.pyz carries libllama for {carried} only; this machine is "
+            f"{platform.system().lower()}-{machine()}: build one here with python build_zipapp.py")
+
+
 def activate_bundle() -> Path | None:
-    """Extract the .pyz's native parts once to ~/.cache/reame/lib/<sha256>/ and put its Python
-    extensions (zstandard) on sys.path. Safe when two first runs race: each extracts to its own
-    temporary directory and the first rename wins. Returns the directory, or None outside a .pyz."""
+    """Extract this machine's native parts of the .pyz once, to ~/.cache/reame/lib/<sha256>-<machine>/,
+    and put the zstandard build for this Python minor on sys.path. Safe when two first runs race: each
+    extracts to its own temporary directory and the first rename wins. Returns the directory, or None
+    outside a .pyz or when the .pyz carries nothing for this machine (`locate` then says so)."""
     manifest = bundle_manifest()
-    if manifest is None:
+    if manifest is None or machine() not in manifest["machines"]:
         return None
     archive = running_archive()
     assert archive is not None
-    target = cache_root() / "lib" / manifest["sha256"]
-    if not (target / "manifest.json").exists():
+    target = cache_root() / "lib" / f"{manifest['sha256']}-{machine()}"
+    if not (target / "lib").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
         try:
-            prefix = BUNDLE_DIR + "/"
+            prefix = f"{BUNDLE_DIR}/{machine()}/"
             with zipfile.ZipFile(archive) as bundle:
                 for member in bundle.infolist():
                     if not member.filename.startswith(prefix) or member.is_dir():
@@ -120,13 +152,13 @@ def activate_bundle() -> Path | None:
             staging.chmod(0o755)
             os.rename(staging, target)
         except OSError:
-            if not (target / "manifest.json").exists():
+            if not (target / "lib").exists():
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    python_dir = str(target / "python")
-    if python_dir not in sys.path:
-        sys.path.insert(0, python_dir)
+    python_dir = target / "python" / python_tag()
+    if python_dir.is_dir() and str(python_dir) not in sys.path:
+        sys.path.insert(0, str(python_dir))
     return target
 
 
@@ -144,6 +176,9 @@ def locate() -> NativeLibraries:
     bundled = activate_bundle()
     if bundled is not None:
         return NativeLibraries(bundled / "lib", None)
+    manifest = bundle_manifest()
+    if manifest is not None:
+        raise ModelError(unsupported_machine(manifest))
     for candidate in (build_dir(portable=False), build_dir(portable=True)):
         looked.append(str(candidate / "lib"))
         if (candidate / "manifest.json").exists():

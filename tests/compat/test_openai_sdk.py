@@ -1,16 +1,14 @@
 """The official `openai` SDK against a live Reame server on SmolLM2-135M."""
 
 import os
-import re
-import signal
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
+
+from tests.live_server import live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "compat-test-key"
@@ -19,27 +17,10 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def server(native_libraries, smollm2_path):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
-         "--parallel", "2", "--ctx", "2048", "--threads", "2"],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
-    base = None
-    for line in process.stderr:
-        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-        if found:
-            base = found.group(1)
-            break
-    assert base, "the server did not say where it listens"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.2)
-    yield base
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0  # a graceful stop exits 0
+    command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
+               "--parallel", "2", "--ctx", "2048", "--threads", "2"]
+    with live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT))) as live:
+        yield live.base
 
 
 @pytest.fixture

@@ -1,10 +1,15 @@
 """dist/reame.pyz: copied alone into an empty directory, with an empty HOME and
-`python -I` (no site-packages of the user, no environment), it answers a prompt."""
+`python -I -S` (no environment, no site-packages at all: the standard library
+only), it answers a prompt under every supported CPython minor installed on
+this machine."""
 
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import build_zipapp  # noqa: E402
+from reame.cache.store import HEADER  # noqa: E402
+from reame.native import machine, python_tag  # noqa: E402
+from tests.live_server import live_server  # noqa: E402
+
+ISOLATED = ("-I", "-S")
+CODEC = struct.Struct("<I")
+CODEC_OFFSET = struct.calcsize("<8sI32sI")  # a snapshot header's codec field: 0 raw, 1 zstd
+assert HEADER.format.startswith("<8sI32sII")
+
+
+def installed_python(minor: str) -> str | None:
+    """The real interpreter of a CPython minor (on PATH or under pyenv), never a shim, or None."""
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    candidates = [shutil.which(f"python{minor}"), *sorted(pyenv.glob(f"versions/{minor}.*/bin/python{minor}"))]
+    for candidate in filter(None, candidates):
+        result = subprocess.run([str(candidate), "-c", "import sys; print(sys.executable)"],
+                                capture_output=True, text=True)
+        if result.returncode == 0:
+            return result.stdout.strip()
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -21,43 +46,89 @@ def pyz(native_libraries, tmp_path_factory) -> Path:
     return output
 
 
-def run_isolated(pyz: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+@pytest.fixture(params=build_zipapp.PYTHON_MINORS)
+def python(request) -> str:
+    found = installed_python(request.param)
+    if found is None:
+        pytest.skip(f"CPython {request.param} is not installed here")
+    return found
+
+
+def isolated(pyz: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """An empty working directory holding only the .pyz, and an environment with an empty HOME."""
     workdir, home = tmp_path / "empty", tmp_path / "home"
     workdir.mkdir(exist_ok=True)
     home.mkdir(exist_ok=True)
     shutil.copy(pyz, workdir / "reame.pyz")
-    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    return subprocess.run([sys.executable, "-I", "reame.pyz", *args], cwd=workdir, env=env,
+    return workdir, {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+def run_isolated(python: str, pyz: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    workdir, env = isolated(pyz, tmp_path)
+    return subprocess.run([python, *ISOLATED, "reame.pyz", *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_the_pyz_alone_answers_a_prompt(pyz, tmp_path, smollm2_path):
-    result = run_isolated(pyz, tmp_path, "run", str(smollm2_path), "What is the capital of France?",
+def test_the_pyz_alone_answers_a_prompt_under_each_python(pyz, python, tmp_path, smollm2_path):
+    result = run_isolated(python, pyz, tmp_path, "run", str(smollm2_path), "What is the capital of France?",
                           "--temp", "0", "--max-tokens", "16", "-q")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     extracted = list((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
-    assert len(extracted) == 1 and (extracted[0] / "lib" / "libllama.so").exists()
+    assert len(extracted) == 1 and extracted[0].name.endswith("-" + machine())
+    assert (extracted[0] / "lib" / "libllama.so").exists()
+    tags = sorted(path.name for path in (extracted[0] / "python").iterdir())
+    assert tags == ["cp" + minor.replace(".", "") for minor in build_zipapp.PYTHON_MINORS]
 
 
-def test_version_names_pin_build_and_zstandard(pyz, tmp_path):
-    result = run_isolated(pyz, tmp_path, "--version")
+def test_version_names_pin_build_and_this_pythons_zstandard(pyz, python, tmp_path):
+    result = run_isolated(python, pyz, tmp_path, "--version")
     assert result.returncode == 0, result.stderr
     assert build_zipapp.LLAMA_COMMIT in result.stdout
-    assert "bundled in this .pyz" in result.stdout and "zstandard 0." in result.stdout
-    assert "portable build" in result.stdout
+    assert "bundled in this .pyz" in result.stdout and "portable build" in result.stdout
+    assert f"zstandard {build_zipapp.ZSTANDARD_VERSION}" in result.stdout
 
 
 def test_racing_first_runs_extract_once_and_both_work(pyz, tmp_path, smollm2_path):
     args = ["run", str(smollm2_path), "Hi", "--temp", "0", "--max-tokens", "4", "-q"]
-    workdir, home = tmp_path / "empty", tmp_path / "home"
-    workdir.mkdir()
-    home.mkdir()
-    shutil.copy(pyz, workdir / "reame.pyz")
-    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    runs = [subprocess.Popen([sys.executable, "-I", "reame.pyz", *args], cwd=workdir, env=env,
+    workdir, env = isolated(pyz, tmp_path)
+    runs = [subprocess.Popen([sys.executable, *ISOLATED, "reame.pyz", *args], cwd=workdir, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [run.communicate(timeout=300) for run in runs]
     assert all(run.returncode == 0 for run in runs), outputs
-    entries = list((home / ".cache" / "reame" / "lib").iterdir())
+    entries = list((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
     assert len(entries) == 1, entries  # no leftover temporary directories
+
+
+def test_under_a_python_without_zstandard_it_serves_caches_raw_and_saves_sessions(pyz, tmp_path, smollm2_path):
+    workdir, env = isolated(pyz, tmp_path)
+    assert subprocess.run([sys.executable, *ISOLATED, "reame.pyz", "--version"], cwd=workdir, env=env,
+                          capture_output=True, timeout=120).returncode == 0
+    extracted = next((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
+    shutil.rmtree(extracted / "python" / python_tag())  # as under a Python minor the file has no build for
+    version = subprocess.run([sys.executable, *ISOLATED, "reame.pyz", "--version"], cwd=workdir, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert "zstandard missing (snapshots stored uncompressed)" in version.stdout
+    command = [sys.executable, *ISOLATED, "reame.pyz", "run", str(smollm2_path), "--serve", "--port", "0",
+               "--ctx", "2048", "--threads", "2"]
+    with live_server(command, cwd=workdir, env=env) as live:
+        document = "Every line of this document repeats what the line before it said. " * 20
+        answer = post(live.base, "/v1/completions", {"prompt": document + "Summary:", "max_tokens": 4})
+        assert answer["usage"]["prompt_tokens"] > 200
+        session = post(live.base, "/v1/sessions", {"id": "no-zstd"})["id"]
+        post(live.base, "/v1/chat/completions", {"session": session, "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": document}]})
+        assert post(live.base, f"/v1/sessions/{session}/save", {})["saved"] is True
+    log = "".join(live.log)
+    assert "Traceback" not in log and log.count("zstandard module is not available") == 1
+    cache = tmp_path / "home" / ".cache" / "reame"
+    for saved in [*cache.glob("kv/*.kvs"), *cache.glob("sessions/*/no-zstd.session")]:
+        assert CODEC.unpack_from(saved.read_bytes(), CODEC_OFFSET)[0] == 0  # stored raw
+    assert list(cache.glob("kv/*.kvs")) and list(cache.glob("sessions/*/no-zstd.session"))
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())

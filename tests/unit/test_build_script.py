@@ -1,11 +1,17 @@
-"""build_zipapp.py fails with one clear line: bad checksum, missing tools, no network."""
+"""build_zipapp.py fails with one clear line: bad checksum, missing tools, no pip, no network."""
 
+import os
+import subprocess
 import sys
+import tomllib
+import venv
+import zipfile
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 import build_zipapp  # noqa: E402
 
 
@@ -18,10 +24,11 @@ def test_a_source_archive_with_the_wrong_checksum_is_removed(tmp_path):
     assert not archive.exists()
 
 
-def test_missing_cmake_is_named(monkeypatch):
+def test_missing_tools_are_named_with_the_command_that_installs_them(monkeypatch):
     monkeypatch.setattr(build_zipapp.shutil, "which", lambda tool: None)
-    with pytest.raises(build_zipapp.BuildError, match="'cmake' not found"):
-        build_zipapp.require_tools()
+    with pytest.raises(build_zipapp.MissingPrerequisite) as raised:
+        build_zipapp.preflight(compiles=True, downloads=[])
+    assert str(raised.value).startswith("cmake and a C++ compiler missing: install with `apt-get install cmake g++`")
 
 
 def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
@@ -36,10 +43,94 @@ def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
     assert "cannot download" in message and "No matching distribution" in message and "\n" not in message
 
 
+def test_a_zstandard_wheel_with_the_wrong_checksum_is_removed_and_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path))
+    wheel = build_zipapp.wheel_cache() / "zstandard-0.25.0-cp312-cp312-manylinux2014_x86_64.whl"
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"tampered")
+    assert build_zipapp.cached_zstandard_wheel("3.12", "x86_64") is None
+    assert not wheel.exists()
+    monkeypatch.setattr(build_zipapp.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: x"))
+    with pytest.raises(build_zipapp.BuildError, match="cannot download zstandard==0.25.0 for CPython 3.12 on x86_64"):
+        build_zipapp.fetch_zstandard_wheel("3.12", "x86_64")
+
+
+def test_every_supported_python_minor_has_a_pinned_zstandard_wheel_per_machine():
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor == ">=" + build_zipapp.PYTHON_MINORS[0]
+    minors = [int(minor.split(".")[1]) for minor in build_zipapp.PYTHON_MINORS]
+    assert minors == list(range(minors[0], minors[0] + len(minors)))
+    assert set(build_zipapp.ZSTANDARD_SHA256) == {(minor, arch) for minor in build_zipapp.PYTHON_MINORS
+                                                  for arch in build_zipapp.WHEEL_PLATFORMS}
+
+
+def test_only_the_package_and_its_c_backend_are_unpacked(tmp_path):
+    wheel = tmp_path / "z.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in ("__init__.py", "backend_c.cpython-312-x86_64-linux-gnu.so", "_cffi.cpython-312-x86_64.so",
+                     "backend_cffi.py", "py.typed"):
+            archive.writestr(f"zstandard/{name}", b"content")
+        archive.writestr("zstandard-0.25.0.dist-info/METADATA", b"")
+    build_zipapp.unpack_zstandard(wheel, tmp_path / "out", "x86_64")
+    assert sorted(path.name for path in (tmp_path / "out" / "zstandard").iterdir()) == [
+        "__init__.py", "backend_c.cpython-312-x86_64-linux-gnu.so"]
+
+
+def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path))
+    manifest = build_zipapp.build_dir(True) / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    monkeypatch.setattr(build_zipapp, "cached_zstandard_wheel", lambda minor, arch: tmp_path)
+    asked = []
+    monkeypatch.setattr(build_zipapp, "preflight", lambda compiles, downloads: asked.append((compiles, downloads)))
+    build_zipapp.preflight_for(portable=True, tools=False, packing=True)
+    build_zipapp.preflight_for(portable=False, tools=False, packing=False)
+    assert asked[0] == (False, [])
+    assert asked[1] == (True, [f"the llama.cpp source (llama-cpp-python=={build_zipapp.SDIST_VERSION})"])
+
+
 def test_main_reports_a_build_error_in_one_line_and_exits_1(monkeypatch, capsys):
     def fail(*args):
         raise build_zipapp.BuildError("something specific broke")
 
+    monkeypatch.setattr(build_zipapp, "preflight_for", lambda *args: None)
     monkeypatch.setattr(build_zipapp, "build", fail)
     assert build_zipapp.main(["--lib"]) == 1
     assert capsys.readouterr().err == "build failed: something specific broke\n"
+
+
+# --- the real script on a machine that lacks something: one line, exit 2, before any work ----
+
+def run_build(python: str, tmp_path: Path, path: str, **pip_env: str) -> subprocess.CompletedProcess:
+    env = {"PATH": path, "HOME": str(tmp_path / "home"), "REAME_CACHE": str(tmp_path / "cache"), **pip_env}
+    return subprocess.run([python, str(ROOT / "build_zipapp.py"), "--output", str(tmp_path / "reame.pyz")],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_refused(result: subprocess.CompletedProcess, tmp_path: Path, says: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("build cannot start: "), result.stderr
+    assert says in result.stderr
+    assert not (tmp_path / "cache" / "llama").exists() and not (tmp_path / "reame.pyz").exists()
+
+
+def test_no_cmake_and_no_compiler_stop_the_build_at_once(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(sys.executable, bin_dir / "python3")
+    result = run_build(sys.executable, tmp_path, str(bin_dir))
+    assert_refused(result, tmp_path, "cmake and a C++ compiler missing: install with `apt-get install cmake g++`")
+
+
+def test_no_pip_stops_the_build_at_once(tmp_path):
+    venv.create(tmp_path / "venv", with_pip=False)
+    result = run_build(str(tmp_path / "venv" / "bin" / "python"), tmp_path, os.environ["PATH"])
+    assert_refused(result, tmp_path, "pip missing: install with `apt-get install python3-pip`")
+
+
+def test_no_package_index_stops_the_build_at_once(tmp_path):
+    result = run_build(sys.executable, tmp_path, os.environ["PATH"], PIP_CONFIG_FILE=os.devnull,
+                       PIP_INDEX_URL="http://127.0.0.1:9/simple")
+    assert_refused(result, tmp_path, "no package index answers pip")
+    assert "the llama.cpp source" in result.stderr and "zstandard==0.25.0 wheels" in result.stderr

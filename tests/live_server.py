@@ -1,0 +1,53 @@
+"""A Reame server in a child process, for tests that talk to it as clients do."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+LOAD_TIMEOUT_S = 120
+
+
+@dataclass
+class LiveServer:
+    base: str
+    process: subprocess.Popen
+    log: list[str] = field(default_factory=list)  # stderr lines read while it started
+
+
+@contextmanager
+def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
+    """Start `command` (a `reame … --serve --port 0`), wait until /health answers 200, yield it;
+    on exit stop it with SIGTERM and check that the graceful stop exits 0."""
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
+    log: list[str] = []
+    base = None
+    assert process.stderr is not None
+    for line in process.stderr:
+        log.append(line)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            base = found.group(1)
+            break
+    assert base, "the server did not say where it listens:\n" + "".join(log)
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.1)
+    server = LiveServer(base, process, log)
+    try:
+        yield server
+    finally:
+        process.send_signal(signal.SIGTERM)
+        rest = process.stderr.read()
+        server.log.append(rest)
+        assert process.wait(timeout=60) == 0, "".join(server.log)  # a graceful stop exits 0
