@@ -18,11 +18,13 @@ class ModelError(ReameError):
 
 
 class RequestError(ReameError):
-    """A generation request is invalid (bad parameter, too long for the context)."""
+    """A generation request is invalid (bad parameter, too long for the context). `code` is the
+    machine-readable reason an API answer carries (OpenAI's codes where one exists)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class CacheError(ReameError):

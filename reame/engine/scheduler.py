@@ -157,13 +157,12 @@ class Engine:
             raise OverloadedError(f"{self.max_queue} requests are already waiting; retry shortly")
         tokens = self.prompt_tokens(request)
         limit = self.backend.n_ctx_seq
-        max_tokens = request.params.max_tokens
         if len(tokens) >= limit:
-            raise RequestError(f"the prompt has {len(tokens)} tokens but the context holds {limit}",
-                               param="prompt")
-        if max_tokens is not None and len(tokens) + max_tokens > limit:
-            raise RequestError(f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) "
-                               f"exceeds the context ({limit} tokens)", param="max_tokens")
+            # OpenAI's wording and code, which clients look for; max_tokens beyond what the context
+            # leaves is clamped instead (the answer then ends with "length"), as llama-server does.
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                               f"resulted in {len(tokens)} tokens. Please reduce the length of the prompt.",
+                               param="prompt", code="context_length_exceeded")
         for token in request.params.logit_bias:
             if token >= self.backend.n_vocab:
                 raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
@@ -305,7 +304,8 @@ class Engine:
                     handle.prompt_tokens[-params.repeat_last_n:]
                 for token in window:
                     backend.accept(sampler, token)
-            max_tokens = params.max_tokens or backend.n_ctx_seq - len(handle.prompt_tokens)
+            room = backend.n_ctx_seq - len(handle.prompt_tokens)
+            max_tokens = min(params.max_tokens or room, room)
             sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
             saved = self._best_saved_state(handle)
             from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \

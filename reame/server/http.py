@@ -3,9 +3,10 @@
 One thread per connection, at most `max_connections` at once (the next gets a
 503 and is closed). HTTP/1.1 keep-alive with exact Content-Length on every
 response; a connection idle for `idle_timeout_s` (or a client that sends its
-request too slowly) is closed. Request bodies must carry Content-Length and
-stay under the size limit; Transfer-Encoding bodies are refused. SSE responses
-end the connection. Routing and the OpenAI logic live in openai_api.py.
+request too slowly) is closed. Request bodies come with Content-Length or
+chunked, under the size limit; a body no route reads is drained before the next
+request (or the connection is closed), so an error never desynchronises a
+keep-alive connection. SSE responses end the connection. Routing and the OpenAI logic live in openai_api.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger("reame.server")
+
+MAX_CHUNK_LINE_BYTES = 4096
+MAX_TRAILER_LINES = 64
 
 
 @dataclass(frozen=True)
@@ -62,14 +66,19 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.body_read, self.body = False, None
         self.server.app.dispatch(self)
+        if not self.close_connection:
+            self.discard_body()
 
     do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_GET
 
     def do_OPTIONS(self) -> None:  # noqa: N802
         if not self.server.settings.cors_origin:
-            self.server.app.dispatch(self)
+            self.do_GET()
             return
+        self.body_read, self.body = False, None
+        self.discard_body()
         self.send_response(204)
         self.send_cors_headers()
         self.send_header("Access-Control-Max-Age", "600")
@@ -86,34 +95,92 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- reading ---
 
-    def read_json(self) -> Any:
-        """The request body as JSON; HttpError for anything we will not read."""
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise HttpError(411, "Transfer-Encoding request bodies are not supported; send Content-Length",
-                            code="length_required")
+    def read_body(self) -> bytes | None:
+        """The request body, framed by Content-Length or chunked, read at most once per request (None:
+        the request has none). HttpError for a body we will not read; it also closes the connection,
+        whose next request could not be found."""
+        if self.body_read:
+            return self.body
+        self.body_read = True
+        encoding = self.headers.get("Transfer-Encoding")
         raw_length = self.headers.get("Content-Length")
-        if raw_length is None:
-            raise HttpError(411, "a JSON body with Content-Length is required", code="length_required")
+        try:
+            if encoding is not None:
+                if encoding.strip().lower() != "chunked" or raw_length is not None:
+                    raise HttpError(501, f"Transfer-Encoding {encoding!r} is not supported; send Content-Length "
+                                    "or chunked", code="not_implemented")
+                self.body = self._read_chunked(self.server.settings.max_body_bytes)
+            elif raw_length is not None:
+                self.body = self._read_length(raw_length, self.server.settings.max_body_bytes)
+        except HttpError:
+            self.close_connection = True
+            raise
+        except (TimeoutError, OSError):
+            self.close_connection = True
+            raise HttpError(408, "the request body did not arrive in time", code="timeout") from None
+        return self.body
+
+    def _read_length(self, raw_length: str, limit: int) -> bytes:
         try:
             length = int(raw_length)
             if length < 0:
                 raise ValueError
         except ValueError:
-            self.close_connection = True
             raise HttpError(400, f"invalid Content-Length: {raw_length!r}", code="bad_request") from None
-        if length > self.server.settings.max_body_bytes:
-            self.close_connection = True
-            raise HttpError(413, f"request body of {length} bytes exceeds the limit of "
-                            f"{self.server.settings.max_body_bytes}", code="payload_too_large")
-        try:
-            data = self.rfile.read(length)
-        except (socket.timeout, OSError):
-            self.close_connection = True
-            raise HttpError(408, "the request body did not arrive in time", code="timeout") from None
+        if length > limit:
+            raise HttpError(413, f"request body of {length} bytes exceeds the limit of {limit}",
+                            code="payload_too_large")
+        data = self.rfile.read(length)
         if len(data) != length:
-            self.close_connection = True
             raise HttpError(400, "the request body is shorter than its Content-Length", code="bad_request")
+        return data
+
+    def _read_chunked(self, limit: int) -> bytes:
+        """A chunked body (RFC 9112 §7.1), its extensions and trailers read and dropped, at most `limit` bytes."""
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            size_line = self._read_line("chunk size")
+            try:
+                size = int(size_line.split(b";", 1)[0].strip(), 16)
+                if size < 0:
+                    raise ValueError
+            except ValueError:
+                raise HttpError(400, "malformed chunk size in a chunked body", code="bad_request") from None
+            if size == 0:
+                break
+            total += size
+            if total > limit:
+                raise HttpError(413, f"chunked request body exceeds the limit of {limit} bytes",
+                                code="payload_too_large")
+            data = self.rfile.read(size)
+            if len(data) != size or self._read_line("chunk end") != b"":
+                raise HttpError(400, "a chunk of the body is shorter than its size", code="bad_request")
+            parts.append(data)
+        for _ in range(MAX_TRAILER_LINES):
+            if self._read_line("trailer") == b"":
+                return b"".join(parts)
+        raise HttpError(400, "too many trailer lines after a chunked body", code="bad_request")
+
+    def _read_line(self, what: str) -> bytes:
+        line = self.rfile.readline(MAX_CHUNK_LINE_BYTES + 1)
+        if not line.endswith(b"\n") or len(line) > MAX_CHUNK_LINE_BYTES:
+            raise HttpError(400, f"malformed {what} line in a chunked body", code="bad_request")
+        return line.rstrip(b"\r\n")
+
+    def discard_body(self) -> None:
+        """Read and drop a body no route read, so the next request on this keep-alive connection starts
+        where it should; a body that cannot be read closes the connection instead."""
+        try:
+            self.read_body()
+        except HttpError:
+            pass
+
+    def read_json(self) -> Any:
+        """The request body as JSON; HttpError for anything we will not read."""
+        data = self.read_body()
+        if data is None:
+            raise HttpError(411, "a JSON body with Content-Length is required", code="length_required")
         try:
             return json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):

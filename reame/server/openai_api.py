@@ -36,6 +36,7 @@ class App:
         self.engine: Engine | None = None
         self.sessions = sessions
         self.metrics = metrics or Metrics()
+        self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
         self.metrics.describe("reame_prompt_tokens_total", "counter", "prompt tokens processed")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")
@@ -94,7 +95,7 @@ class App:
     # --- routing ---
 
     def dispatch(self, handler: Handler) -> None:
-        path = handler.path.split("?", 1)[0]
+        path = canonical_path(handler.path.split("?", 1)[0])
         try:
             if path == "/health":
                 self.require(handler, "GET", "HEAD")
@@ -115,6 +116,7 @@ class App:
                 raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
             route(self, handler, path)
         except HttpError as error:
+            handler.discard_body()  # before answering: the client may still be sending it
             handler.send_error_json(error)
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True
@@ -149,7 +151,7 @@ class App:
         handler.send_json(200, self.model_card())
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.settings.model_id, "object": "model", "created": 0, "owned_by": "reame"}
+        return {"id": self.settings.model_id, "object": "model", "created": self.created, "owned_by": "reame"}
 
     def warm(self, handler: Handler, _path: str) -> None:
         """Prefill a prompt (or a chat's messages, without the assistant turn) into the prefix cache."""
@@ -226,7 +228,7 @@ class App:
     def create_session(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
         sessions = self.ready_sessions()
-        body = handler.read_json() if handler.headers.get("Content-Length") not in (None, "0") else {}
+        body = handler.read_json() if handler.read_body() else {}  # the body is optional
         wanted = Fields(body).body.get("id")
         if wanted is not None and not isinstance(wanted, str):
             raise Fields(body).bad("id", "a string")
@@ -347,7 +349,7 @@ class App:
             except (RequestError, OverloadedError) as error:
                 for handle in handles:
                     handle.cancel()
-                raise refusal(error) from None
+                raise refusal(error, "messages" if chat else "prompt") from None
             prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
             echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
@@ -462,11 +464,22 @@ ROUTES = {
 }
 
 
-def refusal(error: RequestError | OverloadedError) -> HttpError:
-    """The HTTP answer to an engine that refused a request: bad input 400, a full queue 429."""
+def canonical_path(path: str) -> str:
+    """OpenAI's routes answer without their /v1 too, as llama-server's do: a client whose base_url
+    lacks it keeps working."""
+    if path.startswith("/v1/") or path in ROUTES:
+        return path
+    prefixed = "/v1" + path
+    return prefixed if prefixed in ROUTES or prefixed.startswith(("/v1/models/", "/v1/sessions/")) else path
+
+
+def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt") -> HttpError:
+    """The HTTP answer to an engine that refused a request: bad input 400, a full queue 429.
+    `prompt_param`: what the request called its prompt (a chat's is its "messages")."""
     if isinstance(error, OverloadedError):
         return HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"})
-    return HttpError(400, str(error), param=error.param or "prompt", code="invalid_value")
+    param = prompt_param if error.param in (None, "prompt") else error.param
+    return HttpError(400, str(error), param=param, code=error.code)
 
 
 def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:

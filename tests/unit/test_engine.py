@@ -98,15 +98,22 @@ def test_split_utf8_characters_stream_whole():
     assert all(len(text) <= 1 for text in texts)
 
 
-def test_prompt_plus_max_tokens_beyond_the_context_is_refused_before_any_work():
+def test_a_prompt_the_context_cannot_hold_is_refused_before_any_work():
     backend = FakeBackend(n_ctx=64)
     with Engine(backend) as engine:
         with pytest.raises(RequestError) as raised:
-            engine.submit(GenerationRequest("x" * 40, SamplingParams(max_tokens=30)))
-        assert raised.value.param == "max_tokens"
-        with pytest.raises(RequestError):
             engine.submit(GenerationRequest("x" * 80))
+        assert raised.value.code == "context_length_exceeded" and raised.value.param == "prompt"
+        assert "maximum context length is 64 tokens" in str(raised.value)
     assert backend.decode_calls == []
+
+
+def test_max_tokens_beyond_what_the_context_leaves_is_clamped_and_ends_with_length():
+    with Engine(FakeBackend(n_ctx=64)) as engine:
+        result = engine.generate(GenerationRequest("x" * 40, SamplingParams(temperature=0, max_tokens=30,
+                                                                            ignore_eos=True)))
+    assert result.finish.reason == "length"
+    assert len(result.tokens) == 64 - 41  # the prompt is 40 characters and a BOS
 
 
 def test_token_prompt_outside_vocabulary_is_refused():

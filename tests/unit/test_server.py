@@ -67,6 +67,21 @@ def test_health_models_and_unknown_routes(live):
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize("path", ["/models", "/completions", "/chat/completions", "/v1/models"])
+def test_openai_routes_answer_without_their_v1_too(live, path):
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer = live.json("GET" if path.endswith("models") else "POST", path,
+                               None if path.endswith("models") else body)
+    assert status == 200 and answer["object"] in ("list", "text_completion", "chat.completion")
+
+
+def test_models_report_when_the_server_started(live):
+    before = int(time.time())
+    card = live.json("GET", "/v1/models")[1]["data"][0]
+    assert abs(card["created"] - before) <= 5
+    assert live.json("GET", f"/models/{card['id']}")[1] == card
+
+
 def test_health_is_503_while_the_model_loads():
     server = Live(None)
     try:
@@ -286,10 +301,107 @@ def test_oversized_body_is_413_without_reading_it(engine):
         server.close()
 
 
-def test_chunked_bodies_are_refused_clearly(live):
-    reply = raw_exchange(live.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                    b"5\r\nhello\r\n0\r\n\r\n")
-    assert reply.startswith(b"HTTP/1.1 411") and b"Content-Length" in reply
+class RawConnection:
+    """One keep-alive connection, requests written byte for byte, responses read one at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def exchange(self, data: bytes) -> tuple[int, bytes, http.client.HTTPResponse]:
+        self.sock.sendall(data)
+        response = http.client.HTTPResponse(self.sock)
+        response.begin()
+        return response.status, response.read(), response
+
+    def closed_by_server(self) -> bool:
+        return self.sock.recv(1) == b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def post_bytes(path: str, body: bytes, method: str = "POST", headers: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+BODY = json.dumps({"model": "m", "input": "hello", "prompt": "hi", "max_tokens": 2}).encode()
+
+
+@pytest.mark.parametrize("first, status", [
+    (post_bytes("/v1/unknown", BODY), 404),
+    (post_bytes("/v1/responses", BODY), 404),
+    (post_bytes("/v1/chat/completions", BODY, method="PUT"), 405),
+    (post_bytes("/v1/completions", b'{"prompt": "hi", "max_tokens": "two"}'), 400),
+    (post_bytes("/v1/completions", b"{not json"), 400),
+    (post_bytes("/v1/completions", BODY, headers="Authorization: Bearer wrong\r\n"), 401),
+    (post_bytes("/v1/models", BODY, method="GET"), 200),
+])
+def test_an_answer_that_did_not_need_the_body_leaves_the_connection_usable(engine, first, status):
+    server = Live(engine, api_keys=("right",))
+    connection = RawConnection(server.port)
+    try:
+        auth = b"Authorization: Bearer right\r\n"
+        with_key = first if b"Authorization" in first else first.replace(b"Host: x\r\n", b"Host: x\r\n" + auth, 1)
+        assert connection.exchange(with_key)[0] == status
+        code, body, _ = connection.exchange(MODELS.replace(b"\r\n\r\n", b"\r\n" + auth + b"\r\n"))
+        assert code == 200 and json.loads(body)["object"] == "list"
+        completion = post_bytes("/v1/completions", BODY, headers=auth.decode())
+        code, body, _ = connection.exchange(completion)
+        assert code == 200 and json.loads(body)["object"] == "text_completion"
+    finally:
+        connection.close()
+        server.close()
+
+
+def chunked(body: bytes, sizes: tuple[int, ...] = (5, 1, 1000), extra: bytes = b"") -> bytes:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    parts, rest = [], body
+    for size in sizes:
+        piece, rest = rest[:size], rest[size:]
+        if piece:
+            parts.append(b"%x;ext=1\r\n%s\r\n" % (len(piece), piece))
+    if rest:
+        parts.append(b"%x\r\n%s\r\n" % (len(rest), rest))
+    return head + b"".join(parts) + b"0\r\n" + extra + b"\r\n"
+
+
+def test_chunked_request_bodies_are_read_like_content_length_ones(live):
+    connection = RawConnection(live.port)
+    try:
+        for extra in (b"", b"X-Trailer: 1\r\n"):
+            status, body, _ = connection.exchange(chunked(BODY, extra=extra))
+            assert status == 200 and json.loads(body)["object"] == "text_completion"
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (chunked(BODY).replace(b"5;ext=1", b"zz"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b"-5"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b"9"), 400),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n", 501),
+])
+def test_malformed_chunked_bodies_are_refused_and_the_connection_closed(live, request_bytes, status):
+    connection = RawConnection(live.port)
+    try:
+        code, _, response = connection.exchange(request_bytes)
+        assert code == status and response.getheader("Connection") == "close"
+        assert connection.closed_by_server()
+    finally:
+        connection.close()
+
+
+def test_a_chunked_body_over_the_limit_is_413(engine):
+    server = Live(engine, max_body_bytes=1000)
+    connection = RawConnection(server.port)
+    try:
+        assert connection.exchange(chunked(b"x" * 2000, sizes=(600, 600)))[0] == 413
+    finally:
+        connection.close()
+        server.close()
 
 
 @pytest.mark.parametrize("request_bytes", [
@@ -676,3 +788,19 @@ def test_without_zstandard_the_prefix_cache_stores_and_serves(no_zstandard, cach
     cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
     status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+
+
+def test_a_prompt_over_the_context_is_context_length_exceeded_as_openai_says(live):
+    status, body = live.json("POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["param"] == "messages" and "maximum context length is 1024" in body["error"]["message"]
+    status, body = live.json("POST", "/v1/completions", {"prompt": "x" * 2000})
+    assert status == 400 and (body["error"]["code"], body["error"]["param"]) == ("context_length_exceeded", "prompt")
+
+
+def test_max_tokens_beyond_the_context_is_clamped_to_what_it_leaves(live):
+    status, body = live.json("POST", "/v1/completions", {"prompt": "x" * 900, "max_tokens": 500,
+                                                         "ignore_eos": True, "temperature": 0})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 1024
