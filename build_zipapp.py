@@ -36,6 +36,7 @@ import tempfile
 import time
 import zipapp
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -117,33 +118,83 @@ def wheel_cache() -> Path:
     return cache_root() / "downloads" / "wheels"
 
 
-def cached_zstandard_wheel(minor: str, arch: str) -> Path | None:
-    """The verified wheel in the cache, or None (a file with the wrong sum is removed)."""
-    tag = "cp" + minor.replace(".", "")
-    for wheel in wheel_cache().glob(f"zstandard-{ZSTANDARD_VERSION}-{tag}-{tag}-*{arch}*.whl"):
-        if sha256_of(wheel) == ZSTANDARD_SHA256[minor, arch]:
+@dataclass(frozen=True)
+class Wheel:
+    """One pinned wheel the .pyz carries a part of. `python`/`arch` select a binary wheel."""
+
+    distribution: str
+    version: str
+    sha256: str
+    python: str = ""  # a CPython minor ("3.12"), for a binary wheel
+    arch: str = ""  # x86_64 / aarch64, for a binary wheel
+
+    @property
+    def label(self) -> str:
+        target = f" for CPython {self.python} on {self.arch}" if self.python else ""
+        return f"{self.distribution}=={self.version}{target}"
+
+    def pip_options(self) -> list[str]:
+        if not self.python:
+            return []
+        tag = "cp" + self.python.replace(".", "")
+        return ["--platform", WHEEL_PLATFORMS[self.arch], "--python-version", self.python, "--implementation", "cp",
+                "--abi", tag]
+
+    def cached(self) -> Path | None:
+        """The verified wheel in the cache, or None (a file with the wrong sum is removed)."""
+        tag = "cp" + self.python.replace(".", "")
+        pattern = f"{self.distribution}-{self.version}-{tag}-{tag}-*{self.arch}*.whl" if self.python else \
+            f"{self.distribution}-{self.version}-py3-none-any.whl"
+        for wheel in wheel_cache().glob(pattern):
+            if sha256_of(wheel) == self.sha256:
+                return wheel
+            wheel.unlink()
+        return None
+
+    def fetch(self) -> Path:
+        """The wheel, downloaded with pip once (the user's pip settings apply) and verified."""
+        wheel = self.cached()
+        if wheel is not None:
             return wheel
-        wheel.unlink()
-    return None
-
-
-def fetch_zstandard_wheel(minor: str, arch: str) -> Path:
-    """The zstandard binary wheel for one CPython minor and machine, fetched with pip once."""
-    wheel = cached_zstandard_wheel(minor, arch)
-    if wheel is not None:
+        say(f"downloading {self.label} with pip")
+        command = [sys.executable, "-m", "pip", "download", "--only-binary", ":all:", "--no-deps",
+                   *self.pip_options(), "--disable-pip-version-check", "-q", "-d", str(_ensure(wheel_cache())),
+                   f"{self.distribution}=={self.version}"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheel = self.cached()
+        if wheel is None:
+            tail = (result.stderr.strip().splitlines() or ["pip produced no file with the expected sha256"])[-1]
+            raise BuildError(f"cannot download {self.label}: {tail}")
         return wheel
-    say(f"downloading zstandard=={ZSTANDARD_VERSION} for CPython {minor} on {arch} with pip")
-    tag = "cp" + minor.replace(".", "")
-    command = [sys.executable, "-m", "pip", "download", "--only-binary", ":all:", "--no-deps",
-               "--platform", WHEEL_PLATFORMS[arch], "--python-version", minor, "--implementation", "cp",
-               "--abi", tag, "--disable-pip-version-check", "-q", "-d", str(_ensure(wheel_cache())),
-               f"zstandard=={ZSTANDARD_VERSION}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    wheel = cached_zstandard_wheel(minor, arch)
-    if wheel is None:
-        tail = (result.stderr.strip().splitlines() or ["pip produced no file with the expected sha256"])[-1]
-        raise BuildError(f"cannot download zstandard=={ZSTANDARD_VERSION} for CPython {minor} on {arch}: {tail}")
-    return wheel
+
+
+def zstandard_wheels(arch: str) -> list[Wheel]:
+    return [Wheel("zstandard", ZSTANDARD_VERSION, ZSTANDARD_SHA256[minor, arch], minor, arch)
+            for minor in PYTHON_MINORS]
+
+
+# Pure-Python run-time dependencies, imported from the .pyz itself: the model's own chat templates.
+PURE_PACKAGES = (
+    ("jinja2", Wheel("jinja2", "3.1.6", "85ece4451f492d0c13c5dd7c13a64681a86afae63a5f347908daf103ce6d2f67")),
+    ("markupsafe", Wheel("markupsafe", "3.0.3", "0bf2a864d67e76e5c9a34dc26ec616a66b9888e25e7b9460e1c76d3293bd9dbf",
+                         "3.11", "x86_64")),
+)
+
+
+def pyz_wheels() -> list[Wheel]:
+    """Every wheel a .pyz for this machine carries a part of."""
+    return [wheel for _, wheel in PURE_PACKAGES] + zstandard_wheels(machine())
+
+
+def unpack_pure_package(wheel: Path, package: str, destination: Path) -> None:
+    """A pure-Python package's .py files from a wheel into `destination`/`package` (compiled speed-ups left
+    out: the package falls back to its Python code, the same on every machine and Python minor)."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            if member.startswith(package + "/") and member.endswith(".py"):
+                target = destination / member
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.read(member))
 
 
 def unpack_zstandard(wheel: Path, destination: Path, arch: str) -> None:
@@ -366,21 +417,23 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
     staging.rename(target_dir)
 
 
-def build_pyz(library_dir: Path, wheels: dict[tuple[str, str], Path], output: Path) -> Path:
-    """Pack the reame package and this machine's libllama build, with a zstandard build for every
-    CPython minor in `wheels`, into one file (layout: reame/native.py's BUNDLE_DIR)."""
+def build_pyz(library_dir: Path, output: Path) -> Path:
+    """Pack the reame package, its pure-Python dependencies, this machine's libllama build and a zstandard
+    build for every supported CPython minor into one file (layout: reame/native.py's BUNDLE_DIR)."""
     arch = machine()
     staging = Path(tempfile.mkdtemp(prefix="reame-pyz-"))
     try:
         shutil.copytree(ROOT / "reame", staging / "reame", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         (staging / "__main__.py").write_text(
             "import runpy\nrunpy.run_module('reame', run_name='__main__', alter_sys=True)\n")
+        for package, wheel in PURE_PACKAGES:
+            unpack_pure_package(wheel.fetch(), package, staging)
         bundle = staging / BUNDLE_DIR
         shutil.copytree(library_dir / "lib", bundle / arch / "lib")
-        for (minor, wheel_arch), wheel in sorted(wheels.items()):
-            unpack_zstandard(wheel, bundle / wheel_arch / "python" / f"cp{minor.replace('.', '')}", wheel_arch)
+        for wheel in zstandard_wheels(arch):
+            unpack_zstandard(wheel.fetch(), bundle / arch / "python" / f"cp{wheel.python.replace('.', '')}", arch)
         build_manifest = json.loads((library_dir / "manifest.json").read_text())
-        build_manifest["pythons"] = sorted(minor for minor, wheel_arch in wheels if wheel_arch == arch)
+        build_manifest["pythons"] = list(PYTHON_MINORS)
         digest = hashlib.sha256()
         for path in sorted(bundle.rglob("*")):
             if path.is_file():
@@ -422,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight_for(portable, args.bench_tools, packing)
         if packing:
-            wheels = {(minor, machine()): fetch_zstandard_wheel(minor, machine()) for minor in PYTHON_MINORS}
-            build_pyz(build(portable, False, args.jobs), wheels, args.output)
+            for wheel in pyz_wheels():  # before the long build: a download that fails, fails first
+                wheel.fetch()
+            build_pyz(build(portable, False, args.jobs), args.output)
             return 0
         directory = build(portable, args.bench_tools, args.jobs)
     except MissingPrerequisite as error:
@@ -446,8 +500,8 @@ def preflight_for(portable: bool, tools: bool, packing: bool) -> None:
     downloads = []
     if compiles and not sdist_path(sdist_dir()).exists():
         downloads.append(f"the llama.cpp source ({SDIST_NAME}=={SDIST_VERSION})")
-    if packing and any(cached_zstandard_wheel(minor, machine()) is None for minor in PYTHON_MINORS):
-        downloads.append(f"zstandard=={ZSTANDARD_VERSION} wheels")
+    if packing and any(wheel.cached() is None for wheel in pyz_wheels()):
+        downloads.append("the wheels the .pyz carries (zstandard, jinja2, markupsafe)")
     preflight(compiles, downloads)
 
 

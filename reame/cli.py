@@ -224,7 +224,7 @@ def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str
         str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
         n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
         kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
-        use_mlock=values["memory.use_mlock"].value)
+        use_mlock=values["memory.use_mlock"].value, chat_template=values["model.chat_template"].value)
 
 
 def sampling(values: dict[str, config.Value]) -> SamplingParams:

@@ -48,6 +48,9 @@ KEYS: tuple[Key, ...] = (
     Key("model.threads", "int", 0, "CPU threads; 0 = chosen for this host", minimum=0),
     Key("model.batch", "int", 0, "most tokens per llama_decode call; 0 = chosen for this host", minimum=0),
     Key("model.ubatch", "int", 0, "physical batch; 0 = chosen for this host", minimum=0),
+    Key("model.chat_template", "choice", "jinja",
+        "jinja = the model's own chat template (as Hugging Face renders it); builtin = llama.cpp's detection of "
+        "well-known formats", choices=("jinja", "builtin")),
     Key("memory.use_mmap", "bool", True, "map the model file instead of reading it"),
     Key("memory.use_mlock", "bool", False, "lock the model in RAM"),
     Key("memory.kv_cache_type", "choice", "auto", "KV cache element type; auto = chosen for this host",

@@ -37,9 +37,18 @@ def native_libraries():
 
 
 @pytest.fixture(scope="session")
-def smollm2_path() -> Path:
+def model_path():
+    """A catalog model's file by name, fetched and verified on first use (then found at once)."""
     from reame import catalog, fetch, native
-    return fetch.ensure_model(catalog.resolve("smollm2-135m"), native.cache_root() / "models")
+
+    def path(name: str) -> Path:
+        return fetch.ensure_model(catalog.resolve(name), native.cache_root() / "models")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(model_path) -> Path:
+    return model_path("smollm2-135m")
 
 
 @pytest.fixture

@@ -21,15 +21,23 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from reame.cache.fingerprint import kv_fingerprint, model_content_hash
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
+from reame.engine.chat_template import ChatTemplate
 from reame.engine.sampling import Step
 from reame.errors import ModelError, ModelFileError
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 FLASH_ATTN_MODES = ("auto", "on", "off")
+# "jinja": the model's own template (the GGUF's, rendered as Hugging Face does); "builtin":
+# llama.cpp's detection of well-known formats. Models without a template use llama.cpp's either way.
+CHAT_TEMPLATE_MODES = ("jinja", "builtin")
+# The special tokens a template may name, and the GGUF keys holding their ids.
+TEMPLATE_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                           "unk_token": "tokenizer.ggml.unknown_token_id",
+                           "pad_token": "tokenizer.ggml.padding_token_id"}
 GGUF_MAGIC = b"GGUF"
 # Chat templates of architectures whose GGUF carries none, by llama.cpp's built-in names.
 BUILTIN_TEMPLATE_BY_ARCH = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
@@ -54,7 +62,14 @@ class Backend(Protocol):
     def detokenize(self, tokens: Sequence[int]) -> str: ...
     def is_eog(self, token: int) -> bool: ...
     def eog_tokens(self) -> list[int]: ...
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt for `messages`; `tools` (OpenAI function tools) are laid out by the template when
+        `template_supports_tools`, else the caller describes them in a message of its own."""
+        ...
+
+    @property
+    def template_supports_tools(self) -> bool: ...
     def fim_tokens(self) -> tuple[int, int, int] | None:
         """(prefix, suffix, middle) fill-in-the-middle tokens, or None when the model has none."""
         ...
@@ -95,7 +110,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def fallback_chat_format(messages: Sequence[Mapping[str, str]], add_assistant: bool) -> str:
+def fallback_chat_format(messages: Sequence[Mapping[str, Any]], add_assistant: bool) -> str:
     """`role: content` lines, for models without a usable chat template."""
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant:" if add_assistant else "")
@@ -124,6 +139,7 @@ class ModelSettings:
     kv_unified: bool | None = None  # None: unified exactly when n_seq_max > 1
     kv_type: str = "f16"
     flash_attn: str = "auto"
+    chat_template: str = "jinja"  # CHAT_TEMPLATE_MODES
     use_mmap: bool = True
     use_mlock: bool = False
 
@@ -158,6 +174,9 @@ class ModelSettings:
             raise ModelError(f"kv type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
         if self.flash_attn not in FLASH_ATTN_MODES:
             raise ModelError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, got '{self.flash_attn}'")
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ModelError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, "
+                             f"got '{self.chat_template}'")
         if self.kv_type != "f16" and self.flash_attn == "off":
             raise ModelError(f"a {self.kv_type} KV cache needs flash attention: set flash_attn to auto or on")
         return self
@@ -165,6 +184,7 @@ class ModelSettings:
 
 # --- llama.cpp's log lines through our logger ------------------------------------------
 
+log = logging.getLogger("reame.engine")
 _llama_log = logging.getLogger("reame.llama")
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 _log_state = {"partial": "", "level": 0}
@@ -290,6 +310,7 @@ class LlamaBackend:
             BUILTIN_TEMPLATE_BY_ARCH[self.architecture].encode()
             if self.architecture in BUILTIN_TEMPLATE_BY_ARCH else None)
         self.has_chat_template = self._chat_template is not None
+        self._jinja = self._jinja_template(template) if settings.chat_template == "jinja" else None
 
         self._batch = api.llama_batch_init(self.n_batch, 0, 1)
         for i in range(self.n_batch):
@@ -384,7 +405,34 @@ class LlamaBackend:
         tokens = (api.llama_vocab_fim_pre(vocab), api.llama_vocab_fim_suf(vocab), api.llama_vocab_fim_mid(vocab))
         return None if any(token < 0 for token in tokens) else tokens
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
+    def _jinja_template(self, source: bytes | None) -> ChatTemplate | None:
+        """The GGUF's own template, compiled; None (llama.cpp's detection instead) without one, or when
+        it does not compile (said once)."""
+        if not source:
+            return None
+        special_tokens = {}
+        for name, key in TEMPLATE_SPECIAL_TOKENS.items():
+            token_id = self.meta(key)
+            if token_id is not None and token_id.isdigit() and int(token_id) < self.n_vocab:
+                special_tokens[name] = self.token_text(int(token_id))
+        try:
+            return ChatTemplate(source.decode("utf-8", "replace"), special_tokens)
+        except ModelError as error:
+            log.warning("%s; using llama.cpp's built-in template detection", error)
+            return None
+
+    @property
+    def template_supports_tools(self) -> bool:
+        return self._jinja is not None and self._jinja.supports_tools
+
+    def token_text(self, token: int) -> str:
+        """A token's text as the vocabulary spells it (special tokens included)."""
+        return (self._api.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        if self._jinja is not None:
+            return self._jinja.render(messages, add_assistant, tools)
         if self._chat_template is None:
             return fallback_chat_format(messages, add_assistant)
         encoded = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]

@@ -22,8 +22,10 @@ import random
 import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
+from reame.engine.chat_template import ChatTemplate
 from reame.engine.sampling import Step
 from reame.errors import ModelError
 
@@ -40,6 +42,22 @@ _E_ACUTE_LEAD, _E_ACUTE_TAIL = 0xC3, 0xA9
 
 Rule = Callable[[Sequence[int]], Sequence[float]]
 
+# ChatML, rendered through the real Jinja path; with `tools`, a system block lists them and earlier
+# calls are written as <tool_call> JSON, as Hermes-style templates (Qwen2.5's) do.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 def default_rule(history: Sequence[int]) -> list[float]:
     """Logits after `history`: a hash of its last three tokens, with a rare end of text."""
@@ -52,6 +70,24 @@ def default_rule(history: Sequence[int]) -> list[float]:
         logits[token] = ((seed >> (index % 24)) * 2654435761 + index * 40503) % 997 / 100.0
     logits[EOS] = 12.0 if seed % 31 == 0 else -2.0
     return logits
+
+
+def reply_rule(reply: str) -> Rule:
+    """A rule that answers every chat turn with `reply` (greedy), then ends the turn: the text after
+    the last `<|im_start|>assistant\\n` is continued along `reply`, whatever the prompt prefilled of it."""
+    target = list(reply.encode("utf-8"))
+    marker = [IM_START, *b"assistant\n"]
+
+    def rule(history: Sequence[int]) -> list[float]:
+        logits = [0.0] * N_VOCAB
+        start = next((i + len(marker) for i in range(len(history) - len(marker), -1, -1)
+                      if list(history[i:i + len(marker)]) == marker), len(history))
+        written = list(history[start:])
+        following = target[len(written)] if written == target[:len(written)] and len(written) < len(target) \
+            else IM_END
+        logits[following] = 10.0
+        return logits
+    return rule
 
 
 def gated_rule(gate: "threading.Event", token: int = ord("a"), wait_s: float = 5.0) -> Rule:
@@ -152,7 +188,10 @@ class FakeBackend:
     has_fim = True
     supports_rollback = True
 
-    def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule) -> None:
+    def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule,
+                 template_tools: bool = True) -> None:
+        """`template_tools`: whether the chat template lays tools out itself (False: a template
+        that knows nothing of tools, like SmolLM2's)."""
         self.n_vocab = N_VOCAB
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_ctx
@@ -162,6 +201,8 @@ class FakeBackend:
         self.eos_token = EOS
         self.add_bos = True
         self.rule = rule
+        source = CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them")
+        self._template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
         self._kv: dict[int, list[int]] = {}
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
@@ -210,11 +251,15 @@ class FakeBackend:
     def fim_tokens(self) -> tuple[int, int, int] | None:
         return (FIM_PRE, FIM_SUF, FIM_MID) if self.has_fim else None
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_assistant: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         if not self.has_chat_template:
             return fallback_chat_format(messages, add_assistant)
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + ("<|im_start|>assistant\n" if add_assistant else "")
+        return self._template.render(messages, add_assistant, tools)
+
+    @property
+    def template_supports_tools(self) -> bool:
+        return self.has_chat_template and self._template.supports_tools
 
     # --- inference ---
 

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
@@ -202,9 +203,10 @@ class Engine:
                                    param="prompt")
         return tokens
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The model's chat template applied to `messages`, ready for the assistant's turn."""
-        return self.backend.apply_chat_template(messages, add_assistant=True)
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The model's chat template applied to `messages` (and `tools`), ready for the assistant's turn."""
+        return self.backend.apply_chat_template(messages, add_assistant=True, tools=tools)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel what is running, stop the thread. Safe to call twice."""

@@ -15,7 +15,7 @@ def reame(*args, stdin: str | None = None, env: dict | None = None) -> subproces
 
 
 def test_one_shot_prompt_streams_the_answer_and_a_stats_line(native_libraries, smollm2_path):
-    result = reame("run", str(smollm2_path), "What is the capital of France?", "--temp", "0",
+    result = reame("run", str(smollm2_path), "What is the capital of France? Answer in one word.", "--temp", "0",
                    "--max-tokens", "24", "--threads", "2")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

@@ -71,7 +71,7 @@ def test_greedy_answer_is_identical_with_a_draft_model_that_drafts_for_it(native
     (fast,) = answer(smollm2_path, with_draft_model)
     assert fast.tokens == plain.tokens
     usage = fast.finish.usage
-    assert usage.draft_tokens > 15 and usage.accepted_draft_tokens >= 0.9 * usage.draft_tokens
+    assert usage.draft_tokens > 10 and usage.accepted_draft_tokens >= 0.9 * usage.draft_tokens
     assert sources["draft"].backend._ctx is None, "the engine closed the draft model with itself"
 
 

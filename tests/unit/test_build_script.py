@@ -43,16 +43,24 @@ def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
     assert "cannot download" in message and "No matching distribution" in message and "\n" not in message
 
 
-def test_a_zstandard_wheel_with_the_wrong_checksum_is_removed_and_not_used(tmp_path, monkeypatch):
+def test_a_wheel_with_the_wrong_checksum_is_removed_and_not_used(tmp_path, monkeypatch):
     monkeypatch.setenv("REAME_CACHE", str(tmp_path))
-    wheel = build_zipapp.wheel_cache() / "zstandard-0.25.0-cp312-cp312-manylinux2014_x86_64.whl"
-    wheel.parent.mkdir(parents=True)
-    wheel.write_bytes(b"tampered")
-    assert build_zipapp.cached_zstandard_wheel("3.12", "x86_64") is None
-    assert not wheel.exists()
+    wheel = build_zipapp.Wheel("zstandard", "0.25.0", "0" * 64, "3.12", "x86_64")
+    tampered = build_zipapp.wheel_cache() / "zstandard-0.25.0-cp312-cp312-manylinux2014_x86_64.whl"
+    tampered.parent.mkdir(parents=True)
+    tampered.write_bytes(b"tampered")
+    assert wheel.cached() is None
+    assert not tampered.exists()
     monkeypatch.setattr(build_zipapp.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: x"))
     with pytest.raises(build_zipapp.BuildError, match="cannot download zstandard==0.25.0 for CPython 3.12 on x86_64"):
-        build_zipapp.fetch_zstandard_wheel("3.12", "x86_64")
+        wheel.fetch()
+
+
+def test_binary_wheels_are_asked_for_their_platform_and_pure_ones_for_none():
+    binary = build_zipapp.Wheel("zstandard", "0.25.0", "", "3.13", "aarch64")
+    assert binary.pip_options() == ["--platform", "manylinux2014_aarch64", "--python-version", "3.13",
+                                    "--implementation", "cp", "--abi", "cp313"]
+    assert build_zipapp.Wheel("jinja2", "3.1.6", "").pip_options() == []
 
 
 def test_every_supported_python_minor_has_a_pinned_zstandard_wheel_per_machine():
@@ -62,6 +70,16 @@ def test_every_supported_python_minor_has_a_pinned_zstandard_wheel_per_machine()
     assert minors == list(range(minors[0], minors[0] + len(minors)))
     assert set(build_zipapp.ZSTANDARD_SHA256) == {(minor, arch) for minor in build_zipapp.PYTHON_MINORS
                                                   for arch in build_zipapp.WHEEL_PLATFORMS}
+
+
+def test_a_pure_package_is_unpacked_without_its_compiled_speedups(tmp_path):
+    wheel = tmp_path / "m.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in ("markupsafe/__init__.py", "markupsafe/_native.py", "markupsafe/_speedups.cpython-311.so",
+                     "markupsafe/_speedups.c", "markupsafe-3.0.3.dist-info/RECORD"):
+            archive.writestr(name, b"x")
+    build_zipapp.unpack_pure_package(wheel, "markupsafe", tmp_path / "out")
+    assert sorted(path.name for path in (tmp_path / "out" / "markupsafe").iterdir()) == ["__init__.py", "_native.py"]
 
 
 def test_only_the_package_and_its_c_backend_are_unpacked(tmp_path):
@@ -81,7 +99,7 @@ def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch)
     manifest = build_zipapp.build_dir(True) / "manifest.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")
-    monkeypatch.setattr(build_zipapp, "cached_zstandard_wheel", lambda minor, arch: tmp_path)
+    monkeypatch.setattr(build_zipapp.Wheel, "cached", lambda wheel: tmp_path)
     asked = []
     monkeypatch.setattr(build_zipapp, "preflight", lambda compiles, downloads: asked.append((compiles, downloads)))
     build_zipapp.preflight_for(portable=True, tools=False, packing=True)
@@ -133,4 +151,4 @@ def test_no_package_index_stops_the_build_at_once(tmp_path):
     result = run_build(sys.executable, tmp_path, os.environ["PATH"], PIP_CONFIG_FILE=os.devnull,
                        PIP_INDEX_URL="http://127.0.0.1:9/simple")
     assert_refused(result, tmp_path, "no package index answers pip")
-    assert "the llama.cpp source" in result.stderr and "zstandard==0.25.0 wheels" in result.stderr
+    assert "the llama.cpp source" in result.stderr and "the wheels the .pyz carries" in result.stderr

@@ -1,0 +1,37 @@
+"""Each model of MODELS.md, loaded for real: its GGUF carries the template of its fixture, and the
+backend renders the fixture's prompts (the model's own Jinja template, or llama.cpp's built-in format
+for a GGUF without one)."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from reame.engine.backend import LlamaBackend
+
+from .conftest import settings_for
+
+FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates").glob("*.json"))
+
+
+@pytest.mark.parametrize("fixture_path", FIXTURES, ids=lambda path: path.stem)
+def test_the_real_backend_renders_the_models_own_template(native_libraries, model_path, fixture_path):
+    fixture = json.loads(fixture_path.read_text())
+    with LlamaBackend(settings_for(model_path(fixture["model"]), n_ctx=512, n_seq_max=1)) as backend:
+        source = backend._jinja.source if backend._jinja is not None else None
+        assert (hashlib.sha256(source.encode()).hexdigest() if source else None) == fixture["template_sha256"]
+        for case in fixture["cases"]:
+            rendered = backend.apply_chat_template(case["messages"], case["add_generation_prompt"], case.get("tools"))
+            assert rendered == case["expected"]
+        assert backend.template_supports_tools == any("tools" in case for case in fixture["cases"])
+
+
+def test_builtin_mode_keeps_llama_cpps_detection(native_libraries, smollm2_path):
+    fixture = json.loads((FIXTURES[0].parent / "smollm2-135m.json").read_text())
+    case = fixture["cases"][0]
+    with LlamaBackend(settings_for(smollm2_path, n_ctx=512, n_seq_max=1, chat_template="builtin")) as backend:
+        rendered = backend.apply_chat_template(case["messages"], True)
+    # llama.cpp's ChatML drops the default system prompt SmolLM2's own template adds.
+    assert rendered == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered != case["expected"]
