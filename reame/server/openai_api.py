@@ -20,7 +20,8 @@ from reame.errors import OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import Sessions
-from reame.server.shapes import Choice, Response, finish_reason
+from reame.server.shapes import Choice, Response
+from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
                                      sampling_params, stream_usage)
 
@@ -294,10 +295,11 @@ class App:
         fields = Fields(handler.read_json())
         engine = self.ready_engine()
         check_model(fields)
-        for unsupported in ("tools", "functions", "tool_choice", "function_call"):
-            if fields.body.get(unsupported):
-                raise HttpError(400, f"'{unsupported}' is not supported", param=unsupported,
-                                code="unsupported_parameter")
+        for legacy in ("functions", "function_call"):
+            if fields.body.get(legacy):
+                raise HttpError(400, f"'{legacy}' is deprecated and not supported: use 'tools' and 'tool_choice'",
+                                param=legacy, code="unsupported_parameter")
+        tools = tool_request(fields.body)
         top_logprobs = fields.integer("top_logprobs", None, 0, 20)
         logprobs = (top_logprobs or 0) if fields.boolean("logprobs", False) else None
         if top_logprobs is not None and logprobs is None:
@@ -312,11 +314,18 @@ class App:
         max_tokens = fields.integer("max_completion_tokens", None, 1, None)
         if max_tokens is None:
             max_tokens = fields.integer("max_tokens", None, 1, None)
-        prompt = engine.chat_prompt(messages)  # the model's template, or role-prefixed lines without one
-        self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs)
+        in_template = engine.backend.template_supports_tools
+        # The model's template (or role-prefixed lines without one), and the start of a forced tool call.
+        prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
+                                    tools.tools if tools and in_template else None)
+        if tools is not None:
+            prompt += tools.prefill
+        self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs,
+                      tools=tools)
 
     def generate(self, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
-                 max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None) -> None:
+                 max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
+                 tools: ToolRequest | None = None) -> None:
         n = fields.integer("n", 1, 1, MAX_CHOICES)
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
@@ -354,10 +363,12 @@ class App:
             echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
                                 else None)
+            choices = [Choice(parser=tool_parser(tools)) for _ in handles]
             if stream:
-                self.stream(handler, response, sink, handles, echoes, prompt_tokens, include_usage, release_session)
+                self.stream(handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
+                            release_session)
             else:
-                self.collect(handler, response, sink, handles, echoes, prompt_tokens, release_session)
+                self.collect(handler, response, sink, handles, choices, echoes, prompt_tokens, release_session)
         finally:
             release_session()
 
@@ -366,8 +377,9 @@ class App:
         return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
 
     def collect(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
-                echoes: list[str], prompt_tokens: int, finished: Callable[[], None]) -> None:
-        choices = [Choice(pieces=[echo]) for echo in echoes]
+                choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None]) -> None:
+        for choice, echo in zip(choices, echoes):
+            choice.pieces.append(echo)
         remaining = len(handles)
         checked = time.monotonic()
         while remaining:
@@ -393,6 +405,10 @@ class App:
                 remaining -= 1
         finished()
         self.account(choices)
+        for choice in choices:
+            if choice.parser is not None:  # the text becomes content and tool calls
+                said = choice.parser.feed(choice.text) + choice.parser.finish()
+                choice.pieces = [item for kind, item in said if kind == "content"]
         if any(c.finish and c.finish.reason == "timeout" for c in choices):
             raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
                             "server_error", "queue_timeout", headers={"Retry-After": "5"})
@@ -402,9 +418,9 @@ class App:
         handler.send_json(200, response.whole(choices, prompt_tokens))
 
     def stream(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
-               echoes: list[str], prompt_tokens: int, include_usage: bool, finished: Callable[[], None]) -> None:
+               choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
+               finished: Callable[[], None]) -> None:
         handler.start_sse()
-        choices = [Choice() for _ in handles]
         try:
             for index, echo in enumerate(echoes):
                 first = response.first_chunk(index, echo)
@@ -417,7 +433,9 @@ class App:
                 if isinstance(event, TokenEvent):
                     if event.logprob is not None:
                         choice.tokens.append(event)
-                    if event.text and not choice.tokens:
+                    if choice.parser is not None:
+                        self.send_said(handler, response, tag, choice, choice.parser.feed(event.text))
+                    elif event.text and not choice.tokens:
                         handler.send_event(response.text_chunk(tag, event.text))
                     elif event.text:  # held-back tokens' logprobs ride along with the next chunk
                         handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
@@ -432,7 +450,12 @@ class App:
                                                   "code": "generation_failed" if event.reason == "error"
                                                   else "queue_timeout"}})
                     continue
-                handler.send_event(response.chunk(tag, event.text, finish_reason(event), choice.tokens))
+                text = event.text
+                if choice.parser is not None:
+                    self.send_said(handler, response, tag, choice,
+                                   choice.parser.feed(event.text) + choice.parser.finish())
+                    text = ""
+                handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
             self.account(choices)
             if include_usage:
                 handler.send_event(response.usage_chunk(choices, prompt_tokens))
@@ -440,6 +463,17 @@ class App:
         except OSError:  # the client went away: stop generating for it
             for handle in handles:
                 handle.cancel()
+
+    @staticmethod
+    def send_said(handler: Handler, response: Response, tag: int, choice: Choice,
+                  said: list[tuple[str, Any]]) -> None:
+        """Stream what a tool-call parser let through: content chunks, and each finished call."""
+        for kind, item in said:
+            if kind == "content":
+                handler.send_event(response.chunk(tag, item, tokens=choice.tokens))
+                choice.tokens = []
+            else:
+                handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item), item))
 
     def account(self, choices: list[Choice]) -> None:
         for choice in choices:

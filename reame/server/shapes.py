@@ -10,6 +10,7 @@ from typing import Any
 
 from reame import __version__
 from reame.engine import FinishEvent, TokenEvent
+from reame.server.tools import ToolCall, ToolCallParser
 
 
 @dataclass
@@ -17,10 +18,19 @@ class Choice:
     pieces: list[str] = field(default_factory=list)  # joined once, at the end (non-streamed answers)
     finish: FinishEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
+    parser: ToolCallParser | None = None  # set when the request offered tools
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
+
+    def finish_reason(self) -> str:
+        assert self.finish is not None
+        return "tool_calls" if self.calls else finish_reason(self.finish)
 
 
 def finish_reason(event: FinishEvent) -> str:
@@ -58,9 +68,12 @@ class Response:
         for index, choice in enumerate(choices):
             assert choice.finish is not None
             item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(choice.tokens),
-                                    "finish_reason": finish_reason(choice.finish)}
+                                    "finish_reason": choice.finish_reason()}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": choice.text}
+                if choice.calls:
+                    item["message"]["content"] = choice.text or None
+                    item["message"]["tool_calls"] = [call.shaped() for call in choice.calls]
             else:
                 item["text"] = choice.text
             shaped.append(item)
@@ -84,6 +97,12 @@ class Response:
             return self._envelope("chat.completion.chunk", [item])
         item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("text_completion", [item])
+
+    def tool_call_chunk(self, index: int, position: int, call: ToolCall) -> dict[str, Any]:
+        """A stream chunk carrying a whole tool call (its arguments in one piece), the `position`-th of the choice."""
+        delta = {"tool_calls": [dict(call.shaped(), index=position)]}
+        return self._envelope("chat.completion.chunk", [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         """OpenAI's logprobs object: `content` entries for chat, parallel arrays for completions."""

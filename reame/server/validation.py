@@ -8,6 +8,7 @@ from typing import Any
 from reame.engine import SamplingParams
 from reame.errors import RequestError
 from reame.server.http import HttpError
+from reame.server.tools import parsed_arguments
 
 MAX_CHOICES = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -144,7 +145,9 @@ def completion_prompts(prompt: Any) -> list[Any]:
     return prompts
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as templates read them: role, text content, and an assistant's earlier tool calls (their
+    arguments as objects) or a tool result's call id."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
     result = []
@@ -157,8 +160,35 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise HttpError(400, f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role",
                             code="invalid_value")
-        result.append({"role": "system" if role == "developer" else role,
-                       "content": message_text(message.get("content"), f"{where}.content")})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": message_text(message.get("content"), f"{where}.content")}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = history_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            for name in ("tool_call_id", "name"):
+                if message.get(name) is not None:
+                    if not isinstance(message[name], str):
+                        raise HttpError(400, f"'{where}.{name}' must be a string", param=f"{where}.{name}",
+                                        code="invalid_type")
+                    entry[name] = message[name]
+        result.append(entry)
+    return result
+
+
+def history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls: OpenAI's shape, arguments parsed from their JSON text."""
+    if not isinstance(calls, list):
+        raise HttpError(400, f"'{where}' must be an array", param=where, code="invalid_type")
+    result = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), (str, dict)):
+            raise HttpError(400, f"'{where}[{index}]' must be {{\"id\", \"type\": \"function\", \"function\": "
+                            f"{{\"name\", \"arguments\"}}}}", param=f"{where}[{index}]", code="invalid_value")
+        result.append({"id": call.get("id") if isinstance(call.get("id"), str) else "", "type": "function",
+                       "function": {"name": function["name"],
+                                    "arguments": parsed_arguments(function.get("arguments", {}))}})
     return result
 
 
