@@ -224,7 +224,8 @@ def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str
         str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
         n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
         kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
-        use_mlock=values["memory.use_mlock"].value, chat_template=values["model.chat_template"].value)
+        use_mlock=values["memory.use_mlock"].value, chat_template=values["model.chat_template"].value,
+        embedding_ctx=values["embeddings.context_length"].value, embedding_pooling=values["embeddings.pooling"].value)
 
 
 def sampling(values: dict[str, config.Value]) -> SamplingParams:

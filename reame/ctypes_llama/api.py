@@ -96,6 +96,8 @@ _declare("llama_n_batch", [llama_context_p], c_uint32)
 _declare("llama_n_ubatch", [llama_context_p], c_uint32)
 # LLAMA_API uint32_t llama_n_seq_max(const struct llama_context * ctx);
 _declare("llama_n_seq_max", [llama_context_p], c_uint32)
+# LLAMA_API enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
+_declare("llama_pooling_type", [llama_context_p], c_enum)
 # LLAMA_API const struct llama_model * llama_get_model(const struct llama_context * ctx);
 _declare("llama_get_model", [llama_context_p], llama_model_p)
 # LLAMA_API llama_memory_t llama_get_memory(const struct llama_context * ctx);
@@ -208,6 +210,8 @@ _declare("llama_synchronize", [llama_context_p], None)
 _declare("llama_get_logits", [llama_context_p], POINTER(c_float))
 # LLAMA_API float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 _declare("llama_get_logits_ith", [llama_context_p, c_int32], POINTER(c_float))
+# LLAMA_API float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+_declare("llama_get_embeddings_seq", [llama_context_p, llama_seq_id], POINTER(c_float))
 
 # --- Vocab ---
 # LLAMA_API const char * llama_vocab_get_text(const struct llama_vocab * vocab, llama_token token);

@@ -34,6 +34,10 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 # "jinja": the model's own template (the GGUF's, rendered as Hugging Face does); "builtin":
 # llama.cpp's detection of well-known formats. Models without a template use llama.cpp's either way.
 CHAT_TEMPLATE_MODES = ("jinja", "builtin")
+# How an embedding pools a sequence's token vectors.
+EMBEDDING_POOLING = {"mean": t.LLAMA_POOLING_TYPE_MEAN, "cls": t.LLAMA_POOLING_TYPE_CLS,
+                     "last": t.LLAMA_POOLING_TYPE_LAST}
+EMBEDDING_SEQUENCES = 8  # inputs embedded in one decode
 # The special tokens a template may name, and the GGUF keys holding their ids.
 TEMPLATE_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                            "unk_token": "tokenizer.ggml.unknown_token_id",
@@ -103,6 +107,17 @@ class Backend(Protocol):
     def clear(self) -> None: ...
     def seq_state_get(self, seq_id: int) -> bytes | memoryview: ...
     def seq_state_set(self, seq_id: int, blob: bytes | memoryview) -> bool: ...
+    n_embd: int  # size of an embedding vector
+    embedding_context_tokens: int  # longest input `embed` takes
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One pooled (not normalised) embedding per input, computed beside generation without touching
+        its KV; at most `embedding_batch` inputs of at most `embedding_context_tokens` tokens in all."""
+        ...
+
+    @property
+    def embedding_batch(self) -> int: ...
+
     def kv_fingerprint(self) -> bytes:
         """Names what a state blob depends on; the prefix cache and saved sessions are keyed by it."""
     def warm_up(self) -> None:
@@ -140,6 +155,8 @@ class ModelSettings:
     kv_type: str = "f16"
     flash_attn: str = "auto"
     chat_template: str = "jinja"  # CHAT_TEMPLATE_MODES
+    embedding_ctx: int = 2048  # tokens of the embedding context, made on the first embeddings request
+    embedding_pooling: str = "auto"  # EMBEDDING_POOLING, or auto: the model's own, else mean
     use_mmap: bool = True
     use_mlock: bool = False
 
@@ -174,6 +191,9 @@ class ModelSettings:
             raise ModelError(f"kv type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
         if self.flash_attn not in FLASH_ATTN_MODES:
             raise ModelError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}, got '{self.flash_attn}'")
+        if self.embedding_pooling != "auto" and self.embedding_pooling not in EMBEDDING_POOLING:
+            raise ModelError(f"embedding pooling must be auto or one of {', '.join(EMBEDDING_POOLING)}, "
+                             f"got '{self.embedding_pooling}'")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
             raise ModelError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, "
                              f"got '{self.chat_template}'")
@@ -312,6 +332,9 @@ class LlamaBackend:
         self.has_chat_template = self._chat_template is not None
         self._jinja = self._jinja_template(template) if settings.chat_template == "jinja" else None
 
+        self.n_embd = api.llama_model_n_embd(self._model)
+        self.embedding_context_tokens = settings.embedding_ctx
+        self._embedder: _EmbeddingContext | None = None  # made by the first `embed`
         self._batch = api.llama_batch_init(self.n_batch, 0, 1)
         for i in range(self.n_batch):
             self._batch.n_seq_id[i] = 1
@@ -605,6 +628,25 @@ class LlamaBackend:
                                                      seq_id)
         return memoryview(data)[:written]
 
+    @property
+    def embedding_pooling(self) -> str:
+        """The pooling embeddings use: the setting, else the model's own (embedding models say), else mean."""
+        if self.settings.embedding_pooling != "auto":
+            return self.settings.embedding_pooling
+        own = self.meta(f"{self.architecture}.pooling_type")
+        by_number = {str(number): name for name, number in EMBEDDING_POOLING.items()}
+        return by_number.get(own or "", "mean")
+
+    @property
+    def embedding_batch(self) -> int:
+        return EMBEDDING_SEQUENCES
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self._embedder is None:
+            self._embedder = _EmbeddingContext(self._api, self._model, self.n_threads, self.settings.embedding_ctx,
+                                               EMBEDDING_POOLING[self.embedding_pooling], self._threadpool)
+        return self._embedder.embed(inputs, self.n_embd)
+
     def kv_fingerprint(self) -> bytes:
         return self.settings.kv_fingerprint()
 
@@ -631,6 +673,9 @@ class LlamaBackend:
         api = self._api
         for sampler in list(self._attached):
             self.free_sampler(sampler)
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
         if self._batch is not None:
             api.llama_batch_free(self._batch)
             self._batch = None
@@ -649,3 +694,64 @@ class LlamaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EmbeddingContext:
+    """A second context over the same weights that pools each sequence into one vector.
+
+    Its own KV and batch, cleared after every call, so embeddings never touch what generation holds;
+    it shares the generation context's threadpool and is driven by the same (engine) thread.
+    A sequence must fit one physical batch (pooling needs all its tokens at once): n_ubatch = n_ctx.
+    """
+
+    def __init__(self, api: Any, model: Any, threads: int, n_ctx: int, pooling: int, threadpool: Any) -> None:
+        self._api = api
+        params = api.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx
+        params.n_seq_max = EMBEDDING_SEQUENCES
+        params.n_threads = params.n_threads_batch = threads
+        params.embeddings = True
+        params.pooling_type = pooling
+        params.kv_unified = True
+        params.no_perf = True
+        self._ctx = api.llama_init_from_model(model, params)
+        if not self._ctx:
+            raise ModelError(f"cannot create an embedding context of {n_ctx} tokens{_last_llama_error()}")
+        if threadpool:
+            api.llama_attach_threadpool(self._ctx, threadpool, threadpool)
+        self._memory = api.llama_get_memory(self._ctx)
+        self._batch = api.llama_batch_init(n_ctx, 0, 1)
+
+    def embed(self, inputs: Sequence[Sequence[int]], n_embd: int) -> list[list[float]]:
+        n = sum(len(tokens) for tokens in inputs)
+        if not inputs or len(inputs) > EMBEDDING_SEQUENCES or n > self._api.llama_n_batch(self._ctx):
+            raise ModelError(f"an embedding batch takes 1..{EMBEDDING_SEQUENCES} inputs within its context")
+        batch = self._batch
+        i = 0
+        for seq_id, tokens in enumerate(inputs):
+            for position, token in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.seq_id[i][0], batch.logits[i] = token, position, seq_id, True
+                batch.n_seq_id[i] = 1
+                i += 1
+        batch.n_tokens = n
+        try:
+            status = self._api.llama_decode(self._ctx, batch)
+            if status != DECODE_OK:
+                raise ModelError(f"embedding decode failed with status {status}{_last_llama_error()}")
+            vectors = []
+            for seq_id in range(len(inputs)):
+                pointer = self._api.llama_get_embeddings_seq(self._ctx, seq_id)
+                if not pointer:
+                    raise ModelError("the embedding context returned no pooled vector")
+                vectors.append(pointer[:n_embd])
+            return vectors
+        finally:
+            self._api.llama_memory_clear(self._memory, True)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._api.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            self._api.llama_free(self._ctx)
+            self._ctx = None

@@ -33,6 +33,7 @@ BOS, EOS, IM_START, IM_END, FIM_PRE, FIM_SUF, FIM_MID = range(256, 263)
 SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END,
             "<|fim_prefix|>": FIM_PRE, "<|fim_suffix|>": FIM_SUF, "<|fim_middle|>": FIM_MID}
 N_VOCAB = 263
+EMBEDDING_SIZE = 16
 STATE_MAGIC = "reame-fake-state-1"
 
 # Bytes the default rule chooses from: lowercase letters, space, full stop,
@@ -201,6 +202,10 @@ class FakeBackend:
         self.eos_token = EOS
         self.add_bos = True
         self.rule = rule
+        self.n_embd = EMBEDDING_SIZE
+        self.embedding_context_tokens = n_ctx
+        self.embedding_batch = 4
+        self.embed_calls: list[int] = []  # inputs per embed() call
         source = CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them")
         self._template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
         self._kv: dict[int, list[int]] = {}
@@ -262,6 +267,21 @@ class FakeBackend:
         return self.has_chat_template and self._template.supports_tools
 
     # --- inference ---
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        """A bag of tokens: each token adds to a few hashed dimensions, so texts sharing tokens point alike."""
+        if not inputs or len(inputs) > self.embedding_batch or \
+                sum(map(len, inputs)) > self.embedding_context_tokens:
+            raise ModelError("an embedding batch takes 1..4 inputs within its context")
+        self.embed_calls.append(len(inputs))
+        vectors = []
+        for tokens in inputs:
+            vector = [0.0] * EMBEDDING_SIZE
+            for token in tokens:
+                vector[token % EMBEDDING_SIZE] += 1.0
+                vector[(token * 7 + 3) % EMBEDDING_SIZE] += 0.5
+            vectors.append(vector)
+        return vectors
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:

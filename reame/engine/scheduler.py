@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from reame.engine.request import (
     FINISH_STOP,
     FINISH_TIMEOUT,
     Completion,
+    EmbeddingJob,
     FinishEvent,
     GenerationRequest,
     Handle,
@@ -130,8 +132,9 @@ class Engine:
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
-        self._inbox: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Handle | EmbeddingJob | None] = queue.SimpleQueue()
         self._waiting: deque[Handle] = deque()
+        self._embedding: deque[tuple[EmbeddingJob, int]] = deque()  # jobs and how many inputs are done
         self._active: list[_Sequence] = []
         # Idle sequence slots and the tokens their KV still holds, least recently used first.
         self._idle: dict[int, list[int]] = {seq_id: [] for seq_id in range(backend.n_seq_max)}
@@ -173,6 +176,26 @@ class Engine:
             handle.snapshot = self.cache.lookup(tokens[:-1], better_than=self._best_idle_prefix(tokens))
         self._inbox.put(handle)
         return handle
+
+    def embed(self, inputs: list[list[int]]) -> EmbeddingJob:
+        """Queue token inputs for embedding (RequestError at once for one the embedding context cannot
+        hold); the engine thread computes them between generation steps."""
+        if self._closing:
+            raise RequestError("the engine is shutting down")
+        limit = self.backend.embedding_context_tokens
+        for index, tokens in enumerate(inputs):
+            if not tokens:
+                raise RequestError(f"input {index} is empty", param="input")
+            if len(tokens) > limit:
+                raise RequestError(f"This model's maximum context length for embeddings is {limit} tokens. However, "
+                                   f"input {index} has {len(tokens)} tokens. Please reduce its length.",
+                                   param="input", code="context_length_exceeded")
+            for token in tokens:
+                if not 0 <= token < self.backend.n_vocab:
+                    raise RequestError(f"token id {token} is outside the vocabulary", param="input")
+        job = EmbeddingJob(inputs)
+        self._inbox.put(job)
+        return job
 
     def _best_idle_prefix(self, tokens: list[int]) -> int:
         """How much of `tokens` an idle slot already holds (a hint read outside the engine thread)."""
@@ -237,11 +260,11 @@ class Engine:
             log.exception("warm-up decode failed")
         inbox = self._inbox
         while True:
-            if not self._active and not self._waiting:
+            if not self._active and not self._waiting and not self._embedding:
                 item = inbox.get()
                 if item is None:
                     break
-                self._waiting.append(item)
+                self._take(item)
             stop = False
             while True:
                 try:
@@ -251,9 +274,11 @@ class Engine:
                 if item is None:
                     stop = True
                     break
-                self._waiting.append(item)
+                self._take(item)
             if stop:
                 break
+            if self._embedding:
+                self._embed_some()
             self._admit()
             if self._active:
                 try:
@@ -266,6 +291,38 @@ class Engine:
             self._finish(sequence, FINISH_CANCELLED, "the engine shut down")
         while self._waiting:
             self._reject(self._waiting.popleft(), FINISH_CANCELLED, "the engine shut down")
+        while self._embedding:
+            job, _ = self._embedding.popleft()
+            job.error = "the engine shut down"
+            job.done.set()
+
+    def _take(self, item: Handle | EmbeddingJob) -> None:
+        if isinstance(item, EmbeddingJob):
+            self._embedding.append((item, 0))
+        else:
+            self._waiting.append(item)
+
+    def _embed_some(self) -> None:
+        """One embedding decode: the next inputs of the oldest job that fit one batch. Between two of
+        them the running generations take a step, so a large embeddings request slows them, never stalls them."""
+        job, done = self._embedding[0]
+        backend = self.backend
+        end, tokens = done, 0
+        while end < len(job.inputs) and end - done < backend.embedding_batch and \
+                tokens + len(job.inputs[end]) <= backend.embedding_context_tokens:
+            tokens += len(job.inputs[end])
+            end += 1
+        try:
+            job.vectors.extend(unit_length(vector) for vector in backend.embed(job.inputs[done:end]))
+        except Exception as error:  # one failed job fails alone
+            log.exception("embedding failed")
+            job.error = _describe(error)
+            end = len(job.inputs)
+        if end < len(job.inputs):
+            self._embedding[0] = (job, end)
+            return
+        self._embedding.popleft()
+        job.done.set()
 
     def _admit(self) -> None:
         if self.queue_timeout_s:
@@ -561,6 +618,12 @@ class Engine:
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
+
+
+def unit_length(vector: Sequence[float]) -> list[float]:
+    """`vector` scaled to length 1 (OpenAI's embeddings are normalised: a dot product is the cosine)."""
+    norm = math.sqrt(math.fsum(value * value for value in vector))
+    return [value / norm for value in vector] if norm > 0 else list(vector)
 
 
 def _describe(error: Exception) -> str:

@@ -7,8 +7,11 @@ SDKs work unchanged.
 
 from __future__ import annotations
 
+import array
+import base64
 import dataclasses
 import queue
+import sys
 import random
 import time
 from collections.abc import Callable
@@ -16,14 +19,14 @@ from typing import Any
 
 from reame.cache import prefix
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
-from reame.errors import OverloadedError, RequestError
+from reame.errors import ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import Sessions
 from reame.server.shapes import Choice, Response
 from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
-                                     sampling_params, stream_usage)
+                                     embedding_inputs, sampling_params, stream_usage)
 
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
@@ -218,6 +221,37 @@ class App:
             raise HttpError(400, f"'tokens' holds an id outside the vocabulary (0..{backend.n_vocab - 1})",
                             param="tokens", code="invalid_value")
         handler.send_json(200, {"content": backend.detokenize(tokens)})
+
+    def embeddings(self, handler: Handler, _path: str) -> None:
+        """OpenAI's embeddings: one unit-length vector per input, from the model's embedding context."""
+        self.require(handler, "POST")
+        fields = Fields(handler.read_json())
+        engine = self.ready_engine()
+        check_model(fields)
+        encoding = fields.body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise HttpError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format",
+                            code="invalid_value")
+        dimensions = fields.integer("dimensions", None, 1, None)
+        if dimensions not in (None, engine.backend.n_embd):
+            raise HttpError(400, f"this model's embeddings have {engine.backend.n_embd} dimensions and cannot be "
+                            f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
+        inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
+                  else list(item) for item in embedding_inputs(fields.body.get("input"))]
+        job = self.submit_checked(lambda: engine.embed(inputs))
+        while not job.done.wait(POLL_S):
+            if handler.client_gone():
+                handler.close_connection = True
+                return
+        try:
+            vectors = job.result(0)
+        except ModelError as error:
+            raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
+        data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
+                for index, vector in enumerate(vectors)]
+        used = sum(len(tokens) for tokens in inputs)
+        handler.send_json(200, {"object": "list", "data": data, "model": self.settings.model_id,
+                                "usage": {"prompt_tokens": used, "total_tokens": used}})
 
     # --- sessions ---
 
@@ -492,10 +526,21 @@ ROUTES = {
     "/v1/models": App.models,
     "/v1/completions": App.completions,
     "/v1/chat/completions": App.chat_completions,
+    "/v1/embeddings": App.embeddings,
     "/v1/warm": App.warm,
     "/tokenize": App.tokenize,
     "/detokenize": App.detokenize,
 }
+
+
+def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+    """A vector as floats, or as OpenAI's base64 of little-endian float32s."""
+    if encoding == "float":
+        return vector
+    packed = array.array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def canonical_path(path: str) -> str:

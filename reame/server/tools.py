@@ -10,7 +10,8 @@ call (`<tool_call>\\n{"name": "`), so the model can only continue it.
 
 Answers: the model writes `<tool_call>{"name": …, "arguments": …}</tool_call>`
 (Hermes, Qwen2.5), or a bare JSON object `{"name": …, "arguments"|"parameters": …}`,
-possibly after `<|python_tag|>` (Llama 3). `ToolCallParser` turns the text into
+possibly after `<|python_tag|>` (Llama 3) or in a ```json fence (what small models such as
+Qwen2.5-Coder-1.5B often write instead of the tags). `ToolCallParser` turns the text into
 content and calls, streamed: text that may start a call is held back, never
 shown as content and then taken back.
 """
@@ -30,6 +31,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+FENCE = "```"
 # Tool instructions for templates without their own, in the Hermes wording Qwen2.5 was trained on.
 INSTRUCTIONS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n"
@@ -173,7 +175,11 @@ def call_from_json(text: str, names: frozenset[str]) -> ToolCall | None:
     try:
         value = json.loads(text)
     except ValueError:
-        return None
+        # Qwen2.5-Coder-1.5B's template shows the call as {{"name": …}} (a typo upstream) and the model
+        # copies it: one doubled pair of braces is read through.
+        if not (text.startswith("{{") and text.endswith("}}")):
+            return None
+        return call_from_json(text[1:-1], names)
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -203,16 +209,16 @@ class ToolCallParser:
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
         if not self._started:
-            head = self._pending.lstrip()
-            if not head or (len(head) < len(PYTHON_TAG) and PYTHON_TAG.startswith(head)):
+            bare = _starts_bare_call(self._pending.lstrip())
+            if bare is None:
                 return []
-            self._started = True
-            self._bare = head.startswith(("{", PYTHON_TAG))
+            self._started, self._bare = True, bare
         return [] if self._bare else self._scan(final=False)
 
     def finish(self) -> list[tuple[str, Any]]:
         if self._bare:
-            text = self._pending.strip().removeprefix(PYTHON_TAG).strip()
+            text = self._pending.strip().removeprefix(PYTHON_TAG)
+            text = text.strip().removeprefix(FENCE).removeprefix("json").removesuffix(FENCE).strip()
             call = call_from_json(text, self.names)
             self._pending = ""
             if call is None:
@@ -256,6 +262,21 @@ class ToolCallParser:
         if self.calls and not text.strip():
             return  # whitespace between calls is not content
         out.append(("content", text))
+
+
+def _starts_bare_call(head: str) -> bool | None:
+    """Whether an answer starting with `head` is a bare JSON call (a JSON object, after `<|python_tag|>`
+    or a ```json fence, as small models write them), or None while its first characters cannot tell."""
+    if not head or (len(head) < len(PYTHON_TAG) and PYTHON_TAG.startswith(head)):
+        return None
+    if head.startswith(PYTHON_TAG) or head.startswith("{"):
+        return True
+    if not head.startswith(FENCE):
+        return None if FENCE.startswith(head) else False  # "`" or "``" may still become a fence
+    first_line, newline, rest = head.partition("\n")
+    if not newline or not rest.strip():
+        return None
+    return first_line.strip() in (FENCE, FENCE + "json") and rest.lstrip().startswith("{")
 
 
 def tool_parser(tools: ToolRequest | None) -> ToolCallParser | None:

@@ -117,3 +117,53 @@ def test_sessions_through_the_sdk_reuse_the_kv(client, server):
     # matches and the second reused the first one's KV.
     assert answers[0][0] == answers[1][0] and answers[1][1]
     assert answers[1][2].prompt_tokens_details.cached_tokens > 10
+
+
+def test_an_error_never_spoils_the_clients_next_request(client, server):
+    """Every error the SDK can meet, each followed by a request on the same pooled connection."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    wrong_key = client.with_options(api_key="wrong")  # shares the client's connection pool
+    failing = [
+        (openai.NotFoundError, lambda: client.responses.create(model=MODEL, input="hello")),
+        (openai.AuthenticationError, lambda: wrong_key.chat.completions.create(**chat)),
+        (openai.BadRequestError, lambda: client.chat.completions.create(**dict(chat, temperature=9))),
+        (openai.NotFoundError, lambda: client.post("/nowhere", body={"input": "hello"}, cast_to=object)),
+    ]
+    for error, call in failing:
+        with pytest.raises(error):
+            call()
+        assert client.chat.completions.create(**chat).choices[0].message.content is not None
+    put = client._client.put(server + "/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {KEY}"})
+    assert put.status_code == 405
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_embeddings_for_a_batch_through_the_sdk(client):
+    texts = ["The cat sat on the mat.", "A cat is sitting on a rug.", "Stock markets fell sharply today."]
+    response = client.embeddings.create(model=MODEL, input=texts)  # the SDK asks for base64 and decodes it
+    vectors = [item.embedding for item in response.data]
+    assert len(vectors) == 3 and all(len(vector) == 576 for vector in vectors)
+    cosine = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    assert abs(cosine(vectors[0], vectors[0]) - 1) < 1e-4
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
+    floats = client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(vectors[0], abs=1e-5)
+    assert response.usage.prompt_tokens == response.usage.total_tokens > 15
+
+
+def test_overflow_is_context_length_exceeded_and_max_tokens_is_clamped(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}],
+                                       max_tokens=4)
+    assert raised.value.code == "context_length_exceeded" and raised.value.param == "messages"
+    clamped = client.completions.create(model=MODEL, prompt="count: " + "1 2 3 " * 300, max_tokens=5000,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert clamped.choices[0].finish_reason == "length"
+    assert clamped.usage.prompt_tokens + clamped.usage.completion_tokens == 2048
+
+
+def test_a_base_url_without_v1_works(server):
+    bare = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0)
+    assert [model.id for model in bare.models.list()] == [MODEL]
+    answer = bare.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=3)
+    assert answer.choices[0].message.content is not None

@@ -201,3 +201,19 @@ def test_a_repeated_prompt_reuses_the_slot_kv_on_the_real_model(backend):
     # Token-for-token equality is asserted on FakeBackend: here the last prompt token is decoded
     # alone instead of inside the prompt's batch, and llama.cpp's kernels are not batch-invariant.
     assert second.text.strip()
+
+
+def test_embeddings_pool_alone_as_in_a_batch_and_leave_the_generation_kv_alone(backend):
+    from reame.engine.scheduler import unit_length
+    texts = ["The cat sat on the mat.", "A cat is sitting on a rug.", "Stock markets fell sharply today."]
+    tokens = [backend.tokenize(text) for text in texts]
+    prompt = backend.tokenize("Once upon a time")
+    backend.decode(prompt, list(range(len(prompt))), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])
+    held = backend.seq_pos_max(0)
+    batched = [unit_length(vector) for vector in backend.embed(tokens)]
+    alone = unit_length(backend.embed([tokens[1]])[0])
+    assert backend.seq_pos_max(0) == held  # the generation context's KV is untouched
+    assert len(batched[0]) == backend.n_embd and backend.embedding_pooling == "mean"
+    cosine = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    assert cosine(batched[1], alone) > 0.9999
+    assert cosine(batched[0], batched[1]) > cosine(batched[0], batched[2])

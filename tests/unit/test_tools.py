@@ -42,6 +42,13 @@ def parse(chunks, parallel=True, prefill=""):
     (['{"name": "get_weather", "parameters": {"city": "Paris"}}'], [("call", ("get_weather", {"city": "Paris"}))]),
     (["<|python", '_tag|>{"name": "add", "arguments": {"b": 1}}'], [("call", ("add", {"b": 1}))]),
     (['{"answer": 42}'], [("content", '{"answer": 42}')]),
+    (["``", '`json\n{"name": "add", "arguments": {"c": 2}}\n```'], [("call", ("add", {"c": 2}))]),
+    (["```python\nprint(1)\n```"], [("content", "```python\nprint(1)\n```")]),
+    (["```\n", "x = 1\n```"], [("content", "```\nx = 1\n```")]),
+    (["`code` here"], [("content", "`code` here")]),
+    (['{{"name": "add", "arguments": {"d": 4}}}'], [("call", ("add", {"d": 4}))]),
+    (['<tool_call>\n{{"name": "add", "arguments": {}}}\n</tool_call>'], [("call", ("add", {}))]),
+    (["{{not json}}"], [("content", "{{not json}}")]),
     (["a < b and x<tool", " is a word"], [("content", "a < b and x"), ("content", "<tool is a word")]),
 ])
 def test_the_parser_splits_content_and_calls_exactly(chunks, expected):
