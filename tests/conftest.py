@@ -59,3 +59,14 @@ def no_zstandard(monkeypatch):
     codec._zstandard.cache_clear()
     yield
     codec._zstandard.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def reame_logger_as_by_default():
+    """cli.configure_logging (which CLI tests run) gives the "reame" logger a handler of its own and
+    stops propagation; every test starts from the default, so caplog sees Reame's log lines."""
+    import logging
+    logger = logging.getLogger("reame")
+    logger.handlers[:] = []
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)

@@ -39,6 +39,7 @@ class ServerSettings:
     model_id: str = "reame"
     grace_s: float = 30.0
     request_log: bool = True
+    metrics: bool = True  # serve GET /metrics
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -140,6 +140,8 @@ class App:
     # --- small endpoints ---
 
     def metrics_text(self, handler: Handler, _path: str) -> None:
+        if not self.settings.metrics:
+            raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
         self.require(handler, "GET")
         handler.send_body(200, self.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
 

@@ -98,3 +98,11 @@ def test_serving_with_an_unreadable_key_file_is_a_usage_error(tmp_path, capsys):
     conf.write_text(f"[model]\npath = {model}\n[server]\napi_key_file = {tmp_path / 'missing-keys'}\nport = 0\n")
     code, out, err = run(["--config", str(conf), "--serve"], capsys)
     assert code == 2 and "server.api_key_file" in err and out == ""
+
+
+def test_dash_v_prints_the_version_in_one_line_as_the_original_did(capsys):
+    from reame import __version__
+    from reame.cli import main
+    with pytest.raises(SystemExit) as raised:
+        main(["-v"])
+    assert raised.value.code == 0 and capsys.readouterr().out == f"reame {__version__}\n"

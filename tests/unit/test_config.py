@@ -1,6 +1,7 @@
 """The INI config: precedence, inline comments, and one clear line for every mistake."""
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,38 @@ def test_every_key_is_documented_with_its_environment_variable():
     from reame.config import KEYS
     missing = [key.name for key in KEYS if f"| `{key.name}` | `{key.env_name}` |" not in text]
     assert missing == []
+
+
+def test_the_original_reames_shipped_config_file_loads_with_warnings_only(caplog):
+    original = Path(__file__).resolve().parents[1] / "fixtures" / "original-reame.conf"
+    with caplog.at_level("WARNING", logger="reame.config"):
+        values = config.load(original, env={})
+    assert values["server.max_connections"].value == 10
+    assert values["server.cors_origin"].value == "*" and values["server.metrics"].value is True
+    assert values["speculative.lookup"].value is True and values["speculative.max_draft_tokens"].value == 8
+    assert values["cache.dir"].value == ".reame-cache" and values["cache.disk_mb"].value == 20480
+    assert values["model.threads"].value == 14 and values["memory.kv_cache_type"].value == "q8_0"
+    assert values["cache.disk_mb"].origin.endswith(":34")
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 12 and all(record.levelname == "WARNING" for record in caplog.records)
+    assert any("'cache.directory' is the original Reame's name for 'cache.dir'" in line for line in said)
+    assert any("'server.threads' was never used by the original Reame and does nothing here" in line
+               for line in said)
+
+
+@pytest.mark.parametrize("text, key, value", [
+    ("[cache]\ndirectory =\n", "cache.enabled", False),
+    ("[cache]\nmax_size_mb = 0\n", "cache.disk_mb", 1 << 30),
+    ("[speculative]\nmode = model\n", "speculative.lookup", False),
+    ("[server]\nenable_cors = false\n", "server.cors_origin", ""),
+    ("[cache]\ndirectory = old\ndir = new\n", "cache.dir", "new"),
+])
+def test_original_keys_are_translated(tmp_path, text, key, value):
+    assert config.load(write(tmp_path, text), env={})[key].value == value
+
+
+def test_an_unknown_key_still_fails_and_suggests_old_and_new_names(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'cache.directory'"):
+        config.load(write(tmp_path, "[cache]\ndirectori = x\n"), env={})
+    with pytest.raises(ConfigError, match="unknown key 'server.nonsense'"):
+        config.load(write(tmp_path, "[server]\nnonsense = 1\n"), env={})

