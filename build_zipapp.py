@@ -63,6 +63,10 @@ ZSTANDARD_SHA256 = {
     ("3.14", "aarch64"): "223415140608d0f0da010499eaa8ccdb9af210a543fac54bce15babbcfc78439",
 }
 
+# The ARM CPU variants of the pinned ggml that GCC 12 can build (ggml's armv9.2 SME variants need a newer one).
+ARM_VARIANTS = ("armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1", "armv8.6_2")
+ARCHES = ("x86_64", "aarch64")
+
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
 BENCH_TOOLS = ("llama-bench", "llama-server")
 # What a missing prerequisite is called, and its Debian/Ubuntu package.
@@ -181,9 +185,9 @@ PURE_PACKAGES = (
 )
 
 
-def pyz_wheels() -> list[Wheel]:
-    """Every wheel a .pyz for this machine carries a part of."""
-    return [wheel for _, wheel in PURE_PACKAGES] + zstandard_wheels(machine())
+def pyz_wheels(arches: list[str]) -> list[Wheel]:
+    """Every wheel a .pyz for these machines carries a part of."""
+    return [wheel for _, wheel in PURE_PACKAGES] + [wheel for arch in arches for wheel in zstandard_wheels(arch)]
 
 
 def unpack_pure_package(wheel: Path, package: str, destination: Path) -> None:
@@ -217,24 +221,36 @@ def unpack_zstandard(wheel: Path, destination: Path, arch: str) -> None:
 
 # --- prerequisites -------------------------------------------------------------------
 
-def preflight(compiles: bool, downloads: list[str]) -> None:
-    """Refuse at once, in one line, what would fail after minutes: a build with no cmake or compiler,
-    downloads (named in `downloads`) with no pip or no reachable package index."""
+def preflight(compiling: list[str], downloads: list[str]) -> None:
+    """Refuse at once, in one line, what would fail after minutes: builds (for the machines in
+    `compiling`) with no cmake or compiler, downloads (named in `downloads`) with no pip or no package
+    index that answers."""
     missing = []
-    if compiles:
+    if compiling:
         if shutil.which("cmake") is None:
             missing.append("cmake")
         if not any(shutil.which(compiler) for compiler in ("c++", "g++", "clang++")):
             missing.append("a C++ compiler")
+        for arch in compiling:
+            if arch != machine() and shutil.which(cross_compiler(arch)) is None:
+                missing.append(f"the {arch} cross compiler")
     if downloads and importlib.util.find_spec("pip") is None:
         missing.append("pip")
     if missing:
-        packages = " ".join(PACKAGES[name] for name in missing)
+        packages = " ".join(debian_package(name) for name in missing)
         venv_hint = "; in a virtual environment: python -m ensurepip" if "pip" in missing else ""
-        raise MissingPrerequisite(f"{' and '.join(missing)} missing: install with `apt-get install {packages}` "
-                                  f"(Debian/Ubuntu{venv_hint}) and run again")
+        cross_hint = "; or build for this machine only: --arch native" if any("cross" in m for m in missing) else ""
+        named = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+        raise MissingPrerequisite(f"{named} missing: install with `apt-get install {packages}` "
+                                  f"(Debian/Ubuntu{venv_hint}{cross_hint}) and run again")
     if downloads:
         probe_package_index(downloads)
+
+
+def debian_package(prerequisite: str) -> str:
+    if prerequisite.endswith("cross compiler"):
+        return f"g++-{prerequisite.split()[1].replace('_', '-')}-linux-gnu"
+    return PACKAGES[prerequisite]
 
 
 def probe_package_index(downloads: list[str]) -> None:
@@ -288,8 +304,16 @@ def unpack_llama_source(archive: Path, destination: Path) -> None:
 
 # --- build ---------------------------------------------------------------------------
 
-def cmake_options(portable: bool, tools: bool) -> list[str]:
-    options = [
+def cross_compiler(arch: str, language: str = "g++") -> str:
+    """The compiler for `arch`: the host's own, or Debian's cross compiler for another machine."""
+    return language if arch == machine() else f"{arch}-linux-gnu-{language}"
+
+
+def cmake_options(portable: bool, tools: bool, arch: str) -> list[str]:
+    cross = [] if arch == machine() else [
+        "-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={arch}",
+        f"-DCMAKE_C_COMPILER={cross_compiler(arch, 'gcc')}", f"-DCMAKE_CXX_COMPILER={cross_compiler(arch)}"]
+    options = [*cross,
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DLLAMA_BUILD_TESTS=OFF",
@@ -342,11 +366,21 @@ def run_with_progress(command: list[str], log_path: Path, what: str) -> None:
         raise BuildError(f"{what} failed (exit {status}); full log: {log_path}")
 
 
-def build(portable: bool, tools: bool, jobs: int) -> Path:
-    """Return the cache directory of a finished build, building it if needed."""
-    target_dir = build_dir(portable, tools)
-    manifest = target_dir / "manifest.json"
-    if manifest.exists():
+def is_built(target_dir: Path, portable: bool) -> bool:
+    """A finished build in the cache; a portable one must also carry its OpenMP runtime (older ones did not)."""
+    try:
+        manifest = json.loads((target_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not portable or bool(manifest.get("libraries", {}).get("runtime"))
+
+
+def build(portable: bool, tools: bool, jobs: int, arch: str = "") -> Path:
+    """Return the cache directory of a finished build for `arch` (default: this machine), building it
+    if needed; another machine's is cross-compiled, portable only."""
+    arch = arch or machine()
+    target_dir = build_dir(portable, tools, arch)
+    if is_built(target_dir, portable):
         say(f"found cached build {target_dir}")
         return target_dir
     archive = fetch_sdist(sdist_dir())
@@ -354,24 +388,45 @@ def build(portable: bool, tools: bool, jobs: int) -> Path:
 
     work = Path(tempfile.mkdtemp(prefix="reame-llama-build-"))
     log_path = work / "build.log"
-    say(f"building llama.cpp {LLAMA_COMMIT} ({'portable' if portable else 'native'}"
+    say(f"building llama.cpp {LLAMA_COMMIT} for {arch} ({'portable' if portable else 'native'}"
         f"{', with llama-bench/llama-server' if tools else ''}) with {jobs} jobs; "
-        "this takes about 10 minutes on 2 cores")
+        "this takes about 5 minutes on 2 cores")
     configure = ["cmake", "-S", str(THIRD_PARTY), "-B", str(work / "build"),
-                 *cmake_options(portable, tools)]
+                 *cmake_options(portable, tools, arch)]
     run_with_progress(configure, log_path, "configure")
-    # A portable build also needs every CPU variant library, which only the default target builds.
-    targets = [] if portable else ["--target", "llama", *(BENCH_TOOLS if tools else ())]
-    compile_command = ["cmake", "--build", str(work / "build"), "--config", "Release", "-j", str(jobs), *targets]
-    run_with_progress(compile_command, log_path, "compile")
+    for targets in compile_targets(portable, tools, arch):
+        compile_command = ["cmake", "--build", str(work / "build"), "--config", "Release", "-j", str(jobs), *targets]
+        run_with_progress(compile_command, log_path, "compile")
 
-    install_build(work / "build", target_dir, tools, portable)
+    install_build(work / "build", target_dir, tools, portable, arch)
     shutil.rmtree(work, ignore_errors=True)
     say(f"done: {target_dir}")
     return target_dir
 
 
-def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool) -> None:
+def compile_targets(portable: bool, tools: bool, arch: str) -> list[list[str]]:
+    """The `cmake --build` target lists, in order. x86-64 portable: the default target (every CPU
+    variant). aarch64 portable: the ARM variants this compiler can target, then libggml and libllama
+    without their dependency on the rest (make's /fast targets): GCC 12 knows no armv9.2-a+sme."""
+    if not portable:
+        return [["--target", "llama", *(BENCH_TOOLS if tools else ())]]
+    if arch == "aarch64":
+        return [["--target", "ggml-base", *(f"ggml-cpu-{variant}" for variant in ARM_VARIANTS)],
+                ["--target", "ggml/fast"], ["--target", "llama/fast"]]
+    return [[]]
+
+
+def openmp_runtime(arch: str) -> Path:
+    """The compiler's libgomp for `arch`, which the CPU libraries need and minimal systems lack."""
+    result = subprocess.run([cross_compiler(arch, "gcc"), "-print-file-name=libgomp.so.1"], capture_output=True,
+                            text=True)
+    path = Path(result.stdout.strip())
+    if result.returncode != 0 or not path.is_absolute() or not path.exists():
+        raise BuildError(f"cannot find libgomp.so.1 for {arch} (install the compiler's OpenMP runtime)")
+    return path.resolve()
+
+
+def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool, arch: str) -> None:
     """Copy libraries, headers (for the layout test) and tools into the cache, atomically."""
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_ensure(target_dir.parent)))
     staging.chmod(0o755)
@@ -393,6 +448,9 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
         for variant in variants:
             shutil.copy2(variant, lib_out / variant.name)
         libraries["cpu_variants"] = [variant.name for variant in variants]
+        # Found through the libraries' RUNPATH ($ORIGIN): the file runs where no GCC was ever installed.
+        shutil.copy2(openmp_runtime(arch), lib_out / "libgomp.so.1")
+        libraries["runtime"] = ["libgomp.so.1"]
     include_out = staging / "include"
     include_out.mkdir()
     for header in [THIRD_PARTY / "include" / "llama.h", *(THIRD_PARTY / "ggml" / "include").glob("*.h")]:
@@ -417,10 +475,10 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
     staging.rename(target_dir)
 
 
-def build_pyz(library_dir: Path, output: Path) -> Path:
-    """Pack the reame package, its pure-Python dependencies, this machine's libllama build and a zstandard
-    build for every supported CPython minor into one file (layout: reame/native.py's BUNDLE_DIR)."""
-    arch = machine()
+def build_pyz(library_dirs: dict[str, Path], output: Path) -> Path:
+    """Pack the reame package, its pure-Python dependencies and, per machine in `library_dirs`, its
+    libllama build and a zstandard build for every supported CPython minor into one file (layout:
+    reame/native.py's BUNDLE_DIR)."""
     staging = Path(tempfile.mkdtemp(prefix="reame-pyz-"))
     try:
         shutil.copytree(ROOT / "reame", staging / "reame", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -429,16 +487,19 @@ def build_pyz(library_dir: Path, output: Path) -> Path:
         for package, wheel in PURE_PACKAGES:
             unpack_pure_package(wheel.fetch(), package, staging)
         bundle = staging / BUNDLE_DIR
-        shutil.copytree(library_dir / "lib", bundle / arch / "lib")
-        for wheel in zstandard_wheels(arch):
-            unpack_zstandard(wheel.fetch(), bundle / arch / "python" / f"cp{wheel.python.replace('.', '')}", arch)
-        build_manifest = json.loads((library_dir / "manifest.json").read_text())
-        build_manifest["pythons"] = list(PYTHON_MINORS)
+        machines = {}
+        for arch, library_dir in library_dirs.items():
+            shutil.copytree(library_dir / "lib", bundle / arch / "lib")
+            for wheel in zstandard_wheels(arch):
+                unpack_zstandard(wheel.fetch(), bundle / arch / "python" / f"cp{wheel.python.replace('.', '')}",
+                                 arch)
+            machines[arch] = json.loads((library_dir / "manifest.json").read_text())
+            machines[arch]["pythons"] = list(PYTHON_MINORS)
         digest = hashlib.sha256()
         for path in sorted(bundle.rglob("*")):
             if path.is_file():
                 digest.update(str(path.relative_to(bundle)).encode() + b"\0" + path.read_bytes())
-        manifest = {"sha256": digest.hexdigest(), "llama_commit": LLAMA_COMMIT, "machines": {arch: build_manifest}}
+        manifest = {"sha256": digest.hexdigest(), "llama_commit": LLAMA_COMMIT, "machines": machines}
         (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         output.parent.mkdir(parents=True, exist_ok=True)
         partial = output.with_name(output.name + ".part")
@@ -446,8 +507,9 @@ def build_pyz(library_dir: Path, output: Path) -> Path:
         os.replace(partial, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB: {describe_build(build_manifest)} for "
-        f"{arch}; zstandard for CPython {', '.join(build_manifest['pythons'])})")
+    carried = "; ".join(f"{arch}: {describe_build(made)}" for arch, made in machines.items())
+    say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB; {carried}; zstandard for CPython "
+        f"{', '.join(PYTHON_MINORS)})")
     return output
 
 
@@ -459,11 +521,16 @@ def _ensure(path: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--lib", action="store_true", help="only build or find the shared libraries")
+    parser.add_argument("--arch", default="", choices=("all", "native", *ARCHES),
+                        help="machines the .pyz (or --lib) is built for: all (the default for the .pyz: x86_64 and "
+                             "aarch64, the other one cross-compiled), native (this one; the default for --lib), or one")
     parser.add_argument("--native", action="store_true",
-                        help="pack this machine's native build into the .pyz instead of the portable one")
+                        help="pack this machine's native build into the .pyz instead of the portable one "
+                             "(implies --arch native)")
     parser.add_argument("--output", type=Path, default=ROOT / "dist" / "reame.pyz", help="where the .pyz goes")
     parser.add_argument("--portable", action="store_true",
-                        help="build for a baseline CPU instead of this machine (-march=native)")
+                        help="build for a baseline CPU instead of this machine (-march=native); another "
+                             "machine's build is always portable")
     parser.add_argument("--bench-tools", action="store_true",
                         help="also build llama-bench and llama-server (benchmarks only)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
@@ -471,15 +538,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the build directory on stdout (for scripts)")
     args = parser.parse_args(argv)
     packing = not (args.lib or args.bench_tools)
-    portable = not args.native if packing else args.portable
+    arches = selected_arches(args.arch or ("all" if packing and not args.native else "native"))
     try:
-        preflight_for(portable, args.bench_tools, packing)
+        if args.bench_tools and arches != [machine()]:
+            raise MissingPrerequisite("the bench tools are built for this machine only: drop --arch")
+        builds = [(arch, (not args.native if packing else args.portable) or arch != machine()) for arch in arches]
+        preflight_for(builds, args.bench_tools, packing)
         if packing:
-            for wheel in pyz_wheels():  # before the long build: a download that fails, fails first
+            for wheel in pyz_wheels(arches):  # before the long builds: a download that fails, fails first
                 wheel.fetch()
-            build_pyz(build(portable, False, args.jobs), args.output)
+            build_pyz({arch: build(portable, False, args.jobs, arch) for arch, portable in builds}, args.output)
             return 0
-        directory = build(portable, args.bench_tools, args.jobs)
+        directories = [build(portable, args.bench_tools, args.jobs, arch) for arch, portable in builds]
     except MissingPrerequisite as error:
         print(f"build cannot start: {error}", file=sys.stderr)
         return 2
@@ -490,19 +560,29 @@ def main(argv: list[str] | None = None) -> int:
         print("build interrupted", file=sys.stderr)
         return 1
     if args.print_dir:
-        print(directory)
+        print("\n".join(map(str, directories)))
     return 0
 
 
-def preflight_for(portable: bool, tools: bool, packing: bool) -> None:
-    """`preflight` for what this run will do, given what the cache already holds."""
-    compiles = not (build_dir(portable, tools) / "manifest.json").exists()
+def selected_arches(choice: str) -> list[str]:
+    """The machines a build is for: this one first."""
+    if choice == "native":
+        return [machine()]
+    if choice == "all":
+        return [machine(), *(arch for arch in ARCHES if arch != machine())]
+    return [choice]
+
+
+def preflight_for(builds: list[tuple[str, bool]], tools: bool, packing: bool) -> None:
+    """`preflight` for what this run will do, given what the cache already holds. `builds`: (machine,
+    portable) pairs."""
+    compiling = [arch for arch, portable in builds if not is_built(build_dir(portable, tools, arch), portable)]
     downloads = []
-    if compiles and not sdist_path(sdist_dir()).exists():
+    if compiling and not sdist_path(sdist_dir()).exists():
         downloads.append(f"the llama.cpp source ({SDIST_NAME}=={SDIST_VERSION})")
-    if packing and any(wheel.cached() is None for wheel in pyz_wheels()):
+    if packing and any(wheel.cached() is None for wheel in pyz_wheels([arch for arch, _ in builds])):
         downloads.append("the wheels the .pyz carries (zstandard, jinja2, markupsafe)")
-    preflight(compiles, downloads)
+    preflight(compiling, downloads)
 
 
 if __name__ == "__main__":

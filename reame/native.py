@@ -46,17 +46,17 @@ def cpu_identity() -> str:
     return "\n".join(sorted(wanted))
 
 
-def build_key(portable: bool, tools: bool = False) -> str:
-    """Directory name of one build: pin + machine + flags."""
+def build_key(portable: bool, tools: bool = False, arch: str = "") -> str:
+    """Directory name of one build: pin + machine (this one unless `arch` names another) + flags."""
     flags = "portable" if portable else "native"
     if tools:
         flags += "-tools"
     host = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8] if not portable else "any"
-    return f"{LLAMA_COMMIT}-{platform.system().lower()}-{machine()}-{host}-{flags}"
+    return f"{LLAMA_COMMIT}-{platform.system().lower()}-{arch or machine()}-{host}-{flags}"
 
 
-def build_dir(portable: bool, tools: bool = False) -> Path:
-    return cache_root() / "llama" / build_key(portable, tools)
+def build_dir(portable: bool, tools: bool = False, arch: str = "") -> Path:
+    return cache_root() / "llama" / build_key(portable, tools, arch)
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,6 @@
+import sys
+from pathlib import Path
+
 import pytest
 
 from reame.engine.backend import LlamaBackend, ModelSettings
@@ -25,3 +28,13 @@ def backend(shared_backend):
     shared_backend.clear()
     yield shared_backend
     shared_backend.clear()
+
+
+@pytest.fixture(scope="session")
+def pyz(native_libraries, tmp_path_factory):
+    """dist/reame.pyz as the README's first command builds it: portable, every machine."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import build_zipapp
+    output = tmp_path_factory.mktemp("dist") / "reame.pyz"
+    assert build_zipapp.main(["--output", str(output)]) == 0
+    return output

@@ -39,13 +39,6 @@ def installed_python(minor: str) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def pyz(native_libraries, tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("dist") / "reame.pyz"
-    assert build_zipapp.main(["--output", str(output)]) == 0  # the portable build users get
-    return output
-
-
 @pytest.fixture(params=build_zipapp.PYTHON_MINORS)
 def python(request) -> str:
     found = installed_python(request.param)

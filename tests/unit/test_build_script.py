@@ -27,8 +27,31 @@ def test_a_source_archive_with_the_wrong_checksum_is_removed(tmp_path):
 def test_missing_tools_are_named_with_the_command_that_installs_them(monkeypatch):
     monkeypatch.setattr(build_zipapp.shutil, "which", lambda tool: None)
     with pytest.raises(build_zipapp.MissingPrerequisite) as raised:
-        build_zipapp.preflight(compiles=True, downloads=[])
+        build_zipapp.preflight(compiling=[build_zipapp.machine()], downloads=[])
     assert str(raised.value).startswith("cmake and a C++ compiler missing: install with `apt-get install cmake g++`")
+
+
+def test_a_missing_cross_compiler_is_named_with_its_package_and_the_way_around_it(monkeypatch):
+    other = next(arch for arch in build_zipapp.ARCHES if arch != build_zipapp.machine())
+    monkeypatch.setattr(build_zipapp.shutil, "which", lambda tool: None if "linux-gnu" in tool else tool)
+    with pytest.raises(build_zipapp.MissingPrerequisite) as raised:
+        build_zipapp.preflight(compiling=[build_zipapp.machine(), other], downloads=[])
+    package = f"g++-{other.replace('_', '-')}-linux-gnu"
+    assert str(raised.value) == (f"the {other} cross compiler missing: install with `apt-get install {package}` "
+                                 "(Debian/Ubuntu; or build for this machine only: --arch native) and run again")
+
+
+def test_the_default_pyz_is_for_every_machine_this_one_first():
+    assert build_zipapp.selected_arches("all")[0] == build_zipapp.machine()
+    assert sorted(build_zipapp.selected_arches("all")) == sorted(build_zipapp.ARCHES)
+    assert build_zipapp.selected_arches("native") == [build_zipapp.machine()]
+
+
+def test_an_aarch64_build_names_its_variants_and_links_libllama_without_the_others():
+    steps = build_zipapp.compile_targets(portable=True, tools=False, arch="aarch64")
+    assert steps[0] == ["--target", "ggml-base", *(f"ggml-cpu-{v}" for v in build_zipapp.ARM_VARIANTS)]
+    assert steps[1:] == [["--target", "ggml/fast"], ["--target", "llama/fast"]]
+    assert build_zipapp.compile_targets(portable=True, tools=False, arch="x86_64") == [[]]
 
 
 def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
@@ -96,16 +119,23 @@ def test_only_the_package_and_its_c_backend_are_unpacked(tmp_path):
 
 def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("REAME_CACHE", str(tmp_path))
-    manifest = build_zipapp.build_dir(True) / "manifest.json"
+    here = build_zipapp.machine()
+    manifest = build_zipapp.build_dir(True, arch=here) / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
+    manifest.write_text('{"libraries": {"runtime": ["libgomp.so.1"]}}')
     monkeypatch.setattr(build_zipapp.Wheel, "cached", lambda wheel: tmp_path)
     asked = []
-    monkeypatch.setattr(build_zipapp, "preflight", lambda compiles, downloads: asked.append((compiles, downloads)))
-    build_zipapp.preflight_for(portable=True, tools=False, packing=True)
-    build_zipapp.preflight_for(portable=False, tools=False, packing=False)
-    assert asked[0] == (False, [])
-    assert asked[1] == (True, [f"the llama.cpp source (llama-cpp-python=={build_zipapp.SDIST_VERSION})"])
+    monkeypatch.setattr(build_zipapp, "preflight", lambda compiling, downloads: asked.append((compiling, downloads)))
+    build_zipapp.preflight_for([(here, True)], tools=False, packing=True)
+    build_zipapp.preflight_for([(here, False)], tools=False, packing=False)
+    assert asked[0] == ([], [])
+    assert asked[1] == ([here], [f"the llama.cpp source (llama-cpp-python=={build_zipapp.SDIST_VERSION})"])
+
+
+def test_a_portable_build_cached_without_its_openmp_runtime_is_built_again(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"libraries": {"cpu_variants": ["libggml-cpu-x64.so"]}}')
+    assert not build_zipapp.is_built(tmp_path, portable=True)
+    assert build_zipapp.is_built(tmp_path, portable=False)
 
 
 def test_main_reports_a_build_error_in_one_line_and_exits_1(monkeypatch, capsys):
@@ -138,7 +168,9 @@ def test_no_cmake_and_no_compiler_stop_the_build_at_once(tmp_path):
     bin_dir.mkdir()
     os.symlink(sys.executable, bin_dir / "python3")
     result = run_build(sys.executable, tmp_path, str(bin_dir))
-    assert_refused(result, tmp_path, "cmake and a C++ compiler missing: install with `apt-get install cmake g++`")
+    other = next(arch for arch in build_zipapp.ARCHES if arch != build_zipapp.machine())
+    assert_refused(result, tmp_path, f"cmake, a C++ compiler and the {other} cross compiler missing: install with "
+                                     f"`apt-get install cmake g++ g++-{other.replace('_', '-')}-linux-gnu`")
 
 
 def test_no_pip_stops_the_build_at_once(tmp_path):

@@ -31,3 +31,25 @@ def test_build_key_depends_on_pin_and_flags():
     native_key, portable_key = native.build_key(portable=False), native.build_key(portable=True)
     assert native.LLAMA_COMMIT in native_key and native_key != portable_key
     assert native.build_key(portable=False, tools=True) != native_key
+
+
+def test_a_machine_the_pyz_has_no_build_for_gets_one_line_naming_what_it_holds(monkeypatch):
+    from reame import native
+    from reame.errors import ModelError
+    monkeypatch.delenv("REAME_LIBLLAMA", raising=False)
+    monkeypatch.setattr(native, "bundle_manifest", lambda: {"sha256": "0" * 64, "machines": {"x86_64": {},
+                                                                                            "aarch64": {}}})
+    monkeypatch.setattr(native.platform, "machine", lambda: "riscv64")
+    assert native.activate_bundle() is None
+    with pytest.raises(ModelError) as raised:
+        native.locate()
+    assert str(raised.value) == ("this reame.pyz carries libllama for linux-aarch64, linux-x86_64 only; this machine "
+                                 "is linux-riscv64: build one here with python build_zipapp.py")
+
+
+@pytest.mark.parametrize("reported, expected", [("x86_64", "x86_64"), ("AMD64", "x86_64"), ("aarch64", "aarch64"),
+                                                ("arm64", "aarch64"), ("riscv64", "riscv64")])
+def test_machine_names_are_the_bundles(monkeypatch, reported, expected):
+    from reame import native
+    monkeypatch.setattr(native.platform, "machine", lambda: reported)
+    assert native.machine() == expected
