@@ -233,7 +233,9 @@ def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str
 def sampling(values: dict[str, config.Value]) -> SamplingParams:
     return SamplingParams(max_tokens=values["generation.max_tokens"].value,
                           temperature=values["generation.temperature"].value,
-                          seed=values["generation.seed"].value)
+                          seed=values["generation.seed"].value, top_k=values["generation.top_k"].value,
+                          top_p=values["generation.top_p"].value, min_p=values["generation.min_p"].value,
+                          repeat_penalty=values["generation.repeat_penalty"].value)
 
 
 def print_config(values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice]) -> None:
@@ -387,6 +389,7 @@ def server_settings(values: dict[str, config.Value], default_model_id: str) -> S
         cors_origin=values["server.cors_origin"].value, max_connections=values["server.max_connections"].value,
         max_body_bytes=int(values["server.max_request_size_mb"].value * 2**20),
         idle_timeout_s=values["server.idle_timeout_seconds"].value,
+        request_timeout_s=values["server.request_timeout_seconds"].value,
         grace_s=values["server.shutdown_grace_seconds"].value,
         model_id=values["server.model_id"].value or default_model_id,
         request_log=values["server.request_logging"].value, metrics=values["server.metrics"].value)

@@ -64,6 +64,9 @@ KEYS: tuple[Key, ...] = (
     Key("server.max_request_size_mb", "float", 10, "largest request body; larger gets 413", minimum=0.001),
     Key("server.idle_timeout_seconds", "float", 30, "close a connection idle (or sending) this long",
         minimum=0.1),
+    Key("server.request_timeout_seconds", "float", 60,
+        "a request (line, headers and body) must arrive this long after its first byte; slower gets 408",
+        minimum=0.1),
     Key("server.shutdown_grace_seconds", "float", 30, "on SIGTERM/SIGINT, time left to requests in flight",
         minimum=0),
     Key("server.model_id", "str", "", "model id in /v1/models and responses; empty = the model's name"),
@@ -102,6 +105,13 @@ KEYS: tuple[Key, ...] = (
     Key("generation.max_tokens", "int", 512, "default most tokens to generate", minimum=1),
     Key("generation.temperature", "float", 0.7, "default sampling temperature; 0 = greedy", minimum=0),
     Key("generation.seed", "int", 42, "default sampling seed", minimum=0),
+    Key("generation.top_k", "int", 40, "sample among this many most likely tokens; 0 = all", minimum=0),
+    Key("generation.top_p", "float", 0.95, "sample within this share of the probability mass; 1 = all",
+        minimum=0.01, maximum=1),
+    Key("generation.min_p", "float", 0.05, "drop tokens below this share of the most likely one's probability",
+        minimum=0, maximum=1),
+    Key("generation.repeat_penalty", "float", 1.0, "divide the scores of the last 64 tokens by this; 1 = off",
+        minimum=0.01, maximum=10),
 )
 KEYS_BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 

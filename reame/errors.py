@@ -41,3 +41,7 @@ class ModelFileError(ModelError):
 
 class OverloadedError(ReameError):
     """The server is full (its waiting queue is at its limit): retry later."""
+
+
+class EngineUnavailable(ReameError):
+    """The engine is shutting down or has failed: nothing new can run (an HTTP 503)."""

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from reame.cache.store import DiskStore, Snapshot, pack_tokens
@@ -57,7 +57,6 @@ WRITER_NICENESS = 19
 # core for a moment stalls both of llama.cpp's threads, which meet at every graph node), at most this
 # long per snapshot before it writes anyway.
 MAX_WRITE_DEFERRAL_S = 30.0
-IDLE_POLL_S = 0.01
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -105,7 +104,7 @@ class PrefixCache:
         self._disk = DiskStore(directory, fingerprint, disk_budget_bytes, compress, self._add) \
             if directory is not None else None
         self._writes: queue.Queue[tuple[str, Snapshot | None] | None] = queue.Queue(WRITE_QUEUE)
-        self.engine_busy: Callable[[], bool] = lambda: False  # the engine sets it: is a decode running?
+        self._engine_idle: threading.Event | None = None  # the engine's: set while nothing decodes
         self._writer: threading.Thread | None = None
         if self._disk is not None:
             self._index(self._disk.entries)
@@ -175,6 +174,11 @@ class PrefixCache:
         self._queue_write(name, snapshot)
         return True
 
+    def follow(self, engine_idle: threading.Event) -> None:
+        """The engine's event that is set while it decodes nothing: the disk writer waits for it between
+        slices (up to MAX_WRITE_DEFERRAL_S per snapshot), so writes use the gaps between requests."""
+        self._engine_idle = engine_idle
+
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
             counts = {name: self._stats[name] for name in STATS}
@@ -218,7 +222,8 @@ class PrefixCache:
         for name in gone:
             if name not in self._ram:
                 self._forget(name, from_disk=False)
-        self._index({name: self._disk.entries[name] for name in added if name in self._disk.entries})
+        found = {name: self._disk.tokens_of(name) for name in added}
+        self._index({name: tokens for name, tokens in found.items() if tokens is not None})
 
     def _index(self, snapshots: dict[str, tuple[int, ...]], keys: list[bytes] | None = None) -> None:
         """Make snapshots findable; `keys`: their block keys when already computed (one snapshot)."""
@@ -277,8 +282,8 @@ class PrefixCache:
             deadline = time.monotonic() + MAX_WRITE_DEFERRAL_S
 
             def pause() -> None:
-                while self.engine_busy() and time.monotonic() < deadline:
-                    time.sleep(IDLE_POLL_S)
+                if self._engine_idle is not None:
+                    self._engine_idle.wait(max(0.0, deadline - time.monotonic()))
             try:
                 if snapshot is None:
                     self._disk.remove(name)

@@ -173,7 +173,11 @@ def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
 
 
 class DiskStore:
-    """The snapshot files of one fingerprint in a shared directory, under a byte budget."""
+    """The snapshot files of one fingerprint in a shared directory, under a byte budget.
+
+    Threading: lookups (HTTP threads) read and rescan, the cache's writer thread writes and removes;
+    the index (`entries` and what was scanned) is changed under one lock, never while a file is written.
+    """
 
     def __init__(self, directory: Path, fingerprint: bytes, budget_bytes: int, compress: bool = True,
                  count: Callable[[str, int], None] = lambda name, n: None) -> None:
@@ -185,6 +189,7 @@ class DiskStore:
         self.entries: dict[str, tuple[int, ...]] = {}  # file stem -> tokens, this fingerprint only
         self._seen: set[str] = set()  # every file name looked at, ours or not
         self._scanned_mtime = -1
+        self._lock = threading.RLock()  # guards entries, _seen and _scanned_mtime
         directory.mkdir(parents=True, exist_ok=True)
         with self._locked():
             self._enforce_budget()
@@ -195,6 +200,10 @@ class DiskStore:
 
     def refresh(self) -> tuple[list[str], list[str]]:
         """Rescan when the directory changed: (names added, names gone) for this fingerprint."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> tuple[list[str], list[str]]:
         try:
             mtime = os.stat(self.directory).st_mtime_ns
         except OSError:
@@ -227,7 +236,8 @@ class DiskStore:
                 size = os.fstat(stream.fileno()).st_size
                 data = mmap.mmap(stream.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
         except FileNotFoundError:
-            self.entries.pop(name, None)
+            with self._lock:
+                self.entries.pop(name, None)
             return None
         except OSError as error:
             log.warning("cannot read KV snapshot %s: %s", path.name, error.strerror)
@@ -235,7 +245,8 @@ class DiskStore:
         try:
             snapshot = decode(data, self.fingerprint)
         except CodecUnavailable:
-            self.entries.pop(name, None)
+            with self._lock:
+                self.entries.pop(name, None)
             self._count("unreadable_skipped", 1)
             return None
         except CacheError as error:
@@ -261,12 +272,18 @@ class DiskStore:
         except OSError as error:
             log.warning("cannot write KV snapshot %s: %s", name, error.strerror or error)
             return False
-        self.entries[name] = snapshot.tokens
+        with self._lock:
+            self.entries[name] = snapshot.tokens
         self._count("bytes_written", size)
         return True
 
+    def tokens_of(self, name: str) -> tuple[int, ...] | None:
+        with self._lock:
+            return self.entries.get(name)
+
     def remove(self, name: str) -> None:
-        self.entries.pop(name, None)
+        with self._lock:
+            self.entries.pop(name, None)
         self.path(name).unlink(missing_ok=True)
 
     def _read_tokens(self, name: str) -> tuple[int, ...] | None:
@@ -294,7 +311,8 @@ class DiskStore:
 
     def _drop_damaged(self, name: str, why: str) -> None:
         log.warning("dropping KV snapshot %s: %s", self.path(name).name, why)
-        self.entries.pop(name, None)
+        with self._lock:
+            self.entries.pop(name, None)
         self.path(name).unlink(missing_ok=True)
         self._count("corrupt_dropped", 1)
 

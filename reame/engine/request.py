@@ -104,16 +104,21 @@ def _check_float(name: str, value: object, low: float, high: float) -> None:
 Prompt = Union[str, Sequence[int]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SessionState:
-    """A conversation's KV kept between requests: the tokens it covers and the sequence state blob.
+    """A conversation's KV at one moment: the tokens it covers and the sequence state blob that holds them."""
 
-    A request that carries it restores the blob and prefills only the tokens its prompt adds;
-    when it finishes, the engine thread stores the grown state back here.
-    """
-
-    tokens: list[int] = field(default_factory=list)
+    tokens: tuple[int, ...] = ()
     blob: bytes | memoryview = b""
+
+
+class Session:
+    """A conversation's KV kept between requests. A request that carries it restores `state` and
+    prefills only the tokens its prompt adds; when the request ends, the engine thread swaps in the grown
+    state in one assignment, so a reader (a save) always gets tokens and blob that belong together."""
+
+    def __init__(self, state: SessionState | None = None) -> None:
+        self.state = state or SessionState()
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     add_special: bool = True
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
-    session: SessionState | None = None
+    session: Session | None = None
     warm: bool = False  # only prefill the prompt into the prefix cache: no token is generated
+    suffix: str | None = None  # fill in the middle: the text after the gap; the prompt is the text before it
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -147,6 +153,8 @@ class GenerationRequest:
             raise RequestError("the prompt must be a string or a list of token ids", param="prompt")
         if not isinstance(self.params, SamplingParams):
             raise RequestError("params must be SamplingParams")
+        if self.suffix is not None and not isinstance(self.suffix, str):
+            raise RequestError("suffix must be a string", param="suffix")
 
 
 # --- events -------------------------------------------------------------------------

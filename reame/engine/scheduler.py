@@ -1,10 +1,16 @@
 """The engine thread: admit requests, prefill, step, stream, cancel.
 
-Exactly one thread (started by `Engine.start`) calls the backend for inference.
-Callers `submit()` from any thread and read events from the returned Handle.
-Every step is one `backend.decode` carrying the next token of every decoding
-sequence plus, in the room left under the batch size, chunks of prompts still
-being prefilled; each sequence samples with its own sampler chain.
+Exactly one thread (started by `Engine.start`) calls the backend for inference
+and owns every slot, running request and speculation state. Callers `submit()`
+from any thread and read events from the returned Handle; other threads read
+only the frozen `EngineStatus` the engine publishes, or ask the engine thread
+to run something for them (`Engine.call`).
+
+Every step is plan → execute → apply: the plan holds the next token of every
+decoding sequence (plus the drafts speculation proposes) and, in the room left
+under the batch size, chunks of prompts still being prefilled; execute is one
+`backend.decode`; apply samples and verifies each sequence's outputs with its
+own sampler chain, emits events and feeds the caches and the cost model.
 
 An idle slot keeps the KV of its last request: a new request goes to the idle
 slot whose cached tokens share the longest prefix with its prompt and prefills
@@ -12,6 +18,10 @@ only the rest. Cached KV of idle slots is given up first when the context fills.
 With a prefix cache, a prompt whose start was seen before (by this process or
 another, in RAM or on disk) restores that KV snapshot instead of prefilling it,
 and a prompt that needed much prefill is snapshotted once it is in the KV.
+
+Nothing ends the engine thread without an answer: anything escaping its loop
+fails every waiting and running request with an error event, marks the engine
+dead (`status.dead`) and refuses new work with EngineUnavailable.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
@@ -44,8 +55,8 @@ from reame.engine.request import (
     Usage,
 )
 from reame.engine.sampling import chain_steps, log_softmax_of
-from reame.engine.textstream import TextStream
-from reame.errors import ModelError, OverloadedError, RequestError
+from reame.engine.slots import Running, Slot
+from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.speculative import Drafting, Speculation
 
 log = logging.getLogger("reame.engine")
@@ -62,48 +73,45 @@ MIN_REUSED_SHARE = 0.1
 SOLO_LAST_TOKEN_PREFILL = 64
 
 
-class _Sequence:
-    """One admitted request while it holds a sequence slot."""
+@dataclass(frozen=True)
+class EngineStatus:
+    """What other threads may know of the engine, published whole by the engine thread when it changes."""
 
-    __slots__ = (
-        "accepted_drafts",
-        "drafted",
-        "draftings",
-        "generated_tokens",
-        "cached",
-        "admission",
-        "admitted_at",
-        "first_token_at",
-        "handle",
-        "max_tokens",
-        "n_fed",
-        "next_token",
-        "prompt",
-        "sampler",
-        "seq_id",
-        "snapshot_at",
-        "solo_last",
-        "stream",
-    )
+    waiting: int = 0  # admitted to the queue, not yet to a slot
+    running: int = 0  # requests holding a slot
+    idle_prefixes: tuple[tuple[int, ...], ...] = ()  # what each idle slot's KV holds
+    dead: str = ""  # why the engine stopped working, once it has
 
-    def __init__(self, handle: Handle, seq_id: int, sampler: object, max_tokens: int, admission: int) -> None:
-        self.handle = handle
-        self.admission = admission  # admission order: breaks ties when the KV is full
-        self.seq_id = seq_id
-        self.sampler = sampler
-        self.prompt = handle.prompt_tokens
-        self.n_fed = 0  # tokens of this sequence in the KV cache
-        self.next_token: int | None = None  # sampled, not yet decoded
-        self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
-        self.cached = 0  # prompt tokens found in the KV instead of prefilled
-        self.snapshot_at = -1  # KV length at which to snapshot the prompt into the prefix cache (-1: never)
-        self.solo_last = False  # decode the last prompt token in a step of its own (SOLO_LAST_TOKEN_PREFILL)
-        self.max_tokens = max_tokens
-        self.stream = TextStream(handle.request.params.stop)
-        self.admitted_at = time.perf_counter()
-        self.first_token_at = 0.0
-        self.draftings: list[Drafting] = []  # speculative decoding's sources, when the request allows it
-        self.drafted = self.accepted_drafts = 0
+
+@dataclass
+class StepPlan:
+    """One decode: its rows, and what to do with the outputs once it ran."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    outputs: list[bool] = field(default_factory=list)
+    # A sequence, the row of its first output, the drafts that follow it and the source that made them.
+    draws: list[tuple[Running, int, list[int], Drafting | None]] = field(default_factory=list)
+    prefills: list[tuple[Running, int]] = field(default_factory=list)  # a sequence and the prompt tokens fed
+    decoding: int = 0  # sequences decoding their next token
+    drafted: int = 0  # draft tokens carried
+
+    def add(self, tokens: Sequence[int], first_position: int, seq_id: int, output: bool) -> None:
+        self.tokens.extend(tokens)
+        self.positions.extend(range(first_position, first_position + len(tokens)))
+        self.seq_ids.extend([seq_id] * len(tokens))
+        self.outputs.extend([output] * len(tokens))
+
+
+class _Call:
+    """A function to run on the engine thread, and its outcome for the caller waiting on it."""
+
+    def __init__(self, function: Callable[[], Any]) -> None:
+        self.function = function
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
 
 
 class Engine:
@@ -125,20 +133,26 @@ class Engine:
             speculation.close()
             speculation = None
         self.speculation = speculation
-        self._drafts_paused = False  # one step without drafts after the KV ran full with them
-        if cache is not None:
-            cache.engine_busy = lambda: bool(self._active)  # its disk writer waits for the gaps
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
-        self._inbox: queue.SimpleQueue[Handle | EmbeddingJob | None] = queue.SimpleQueue()
+        # Set while no request holds a slot: the prefix cache's disk writer waits for it.
+        self.idle = threading.Event()
+        self.idle.set()
+        if cache is not None:
+            cache.follow(self.idle)
+        self.status = EngineStatus(idle_prefixes=((),) * backend.n_seq_max)
+        self._inbox: queue.SimpleQueue[Handle | EmbeddingJob | _Call | None] = queue.SimpleQueue()
+        # Engine thread only, from here on.
+        self._slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
+        self._running: list[Running] = []  # in admission order
         self._waiting: deque[Handle] = deque()
         self._embedding: deque[tuple[EmbeddingJob, int]] = deque()  # jobs and how many inputs are done
-        self._active: list[_Sequence] = []
-        # Idle sequence slots and the tokens their KV still holds, least recently used first.
-        self._idle: dict[int, list[int]] = {seq_id: [] for seq_id in range(backend.n_seq_max)}
         self._admissions = itertools.count()
+        self._releases = itertools.count(1)
+        self._drafts_paused = False  # one step without drafts after the KV ran full with them
+        self._changed = False  # the status is out of date
         self._thread: threading.Thread | None = None
         self._closing = False
 
@@ -150,13 +164,13 @@ class Engine:
             self._thread.start()
         return self
 
-    def submit(self, request: GenerationRequest, sink: "queue.SimpleQueue | None" = None, tag: int = 0) -> Handle:
-        """Validate and queue a request; RequestError before any work if it cannot run.
+    def submit(self, request: GenerationRequest, sink: queue.SimpleQueue | None = None, tag: int = 0) -> Handle:
+        """Validate and queue a request; RequestError before any work if it cannot run, OverloadedError
+        when the queue is full, EngineUnavailable when the engine is stopping or has failed.
 
         With `sink`, events arrive there as `(tag, event)` instead of on the handle.
         """
-        if self._closing:
-            raise RequestError("the engine is shutting down")
+        self._check_available()
         if self.max_queue and self.load()[0] >= self.max_queue:
             raise OverloadedError(f"{self.max_queue} requests are already waiting; retry shortly")
         tokens = self.prompt_tokens(request)
@@ -173,15 +187,15 @@ class Engine:
         handle = Handle(request, tokens, sink, tag)
         if self.cache is not None and request.session is None:
             # Read here, in the caller's thread, so the engine thread never waits on the disk.
-            handle.snapshot = self.cache.lookup(tokens[:-1], better_than=self._best_idle_prefix(tokens))
+            held = max((common_prefix(prefix, tokens) for prefix in self.status.idle_prefixes), default=0)
+            handle.snapshot = self.cache.lookup(tokens[:-1], better_than=held)
         self._inbox.put(handle)
         return handle
 
     def embed(self, inputs: list[list[int]]) -> EmbeddingJob:
         """Queue token inputs for embedding (RequestError at once for one the embedding context cannot
         hold); the engine thread computes them between generation steps."""
-        if self._closing:
-            raise RequestError("the engine is shutting down")
+        self._check_available()
         limit = self.backend.embedding_context_tokens
         for index, tokens in enumerate(inputs):
             if not tokens:
@@ -197,20 +211,49 @@ class Engine:
         self._inbox.put(job)
         return job
 
-    def _best_idle_prefix(self, tokens: list[int]) -> int:
-        """How much of `tokens` an idle slot already holds (a hint read outside the engine thread)."""
-        return max((common_prefix(cached, tokens) for cached in list(self._idle.values())), default=0)
+    def call(self, function: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """Run `function` on the engine thread, between two steps, and return what it returns."""
+        self._check_available()
+        job = _Call(function)
+        self._inbox.put(job)
+        if not job.done.wait(timeout_s):
+            raise EngineUnavailable("the engine did not get to the call in time")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def forget_idle_kv(self) -> None:
+        """Drop what idle slots keep for reuse (the KV and the record of it): as after a restart,
+        only the prefix cache and sessions remember."""
+        def forget() -> None:
+            for slot in self._slots:
+                if slot.running is None and slot.held:
+                    self.backend.seq_rm(slot.seq_id)
+                    slot.held = []
+            self._changed = True
+        self.call(forget)
+
+    def _check_available(self) -> None:
+        if self.status.dead:
+            raise EngineUnavailable(f"the engine failed and serves nothing until restarted: {self.status.dead}")
+        if self._closing:
+            raise EngineUnavailable("the engine is shutting down")
 
     def load(self) -> tuple[int, int]:
-        """(requests waiting, sequences running): a snapshot for metrics, read from any thread."""
-        return len(self._waiting) + self._inbox.qsize(), len(self._active)
+        """(requests waiting, requests running), from the published status and the inbox."""
+        status = self.status
+        return status.waiting + self._inbox.qsize(), status.running
 
     def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Completion:
         """Submit and wait for the whole result."""
         return self.submit(request).result(timeout_s)
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt as tokens: text tokenized with BOS (never twice), a fill-in-the-middle
+        prompt built from the model's FIM tokens, or token ids checked against the vocabulary."""
         backend = self.backend
+        if request.suffix is not None:
+            return self._fill_in_the_middle(request.prompt, request.suffix)
         if isinstance(request.prompt, str):
             tokens = backend.tokenize(request.prompt, add_special=request.add_special, parse_special=True)
             # A chat template may already start with the BOS text: never feed BOS twice.
@@ -219,12 +262,28 @@ class Engine:
             if not tokens:
                 raise RequestError("the prompt tokenized to zero tokens", param="prompt")
             return tokens
-        tokens = list(request.prompt)
+        return self._checked_tokens(request.prompt)
+
+    def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
         for token in tokens:
-            if not 0 <= token < backend.n_vocab:
-                raise RequestError(f"token id {token} is outside the vocabulary (0..{backend.n_vocab - 1})",
+            if not 0 <= token < self.backend.n_vocab:
+                raise RequestError(f"token id {token} is outside the vocabulary (0..{self.backend.n_vocab - 1})",
                                    param="prompt")
-        return tokens
+        return list(tokens)
+
+    def _fill_in_the_middle(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
+        """Prefix-suffix-middle tokens, as code editors send `prompt` + `suffix`: the model writes the middle.
+        User text is tokenized without parsing special tokens, so it cannot forge FIM markers."""
+        backend = self.backend
+        fim = backend.fim_tokens()
+        if fim is None:
+            raise RequestError("this model has no fill-in-the-middle tokens; 'suffix' needs a code model such as "
+                               "qwen2.5-coder", param="suffix", code="unsupported_parameter")
+        pre, suf, mid = fim
+        before = backend.tokenize(prefix, add_special=False, parse_special=False) if isinstance(prefix, str) \
+            else self._checked_tokens(prefix)
+        bos = [backend.bos_token] if backend.add_bos and backend.bos_token >= 0 else []
+        return bos + [pre] + before + [suf] + backend.tokenize(suffix, add_special=False, parse_special=False) + [mid]
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -249,58 +308,239 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- engine thread ----------------------------------------------------------------
+    # --- engine thread: the loop ----------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._warm_up()
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 (nothing may end this thread without an answer)
+            self._die(error)
+            return
+        self._end("the engine shut down")
+
+    def _warm_up(self) -> None:
         try:
             self.backend.warm_up()  # here, on the thread that will decode (see LlamaBackend.warm_up)
             if self.speculation is not None:
                 self.speculation.warm_up()
         except Exception:
             log.exception("warm-up decode failed")
+
+    def _loop(self) -> None:
         inbox = self._inbox
         while True:
-            if not self._active and not self._waiting and not self._embedding:
-                item = inbox.get()
-                if item is None:
-                    break
-                self._take(item)
-            stop = False
+            if not self._running and not self._waiting and not self._embedding:
+                self._publish()
+                if not self._take(inbox.get()):
+                    return
             while True:
                 try:
                     item = inbox.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    stop = True
-                    break
-                self._take(item)
-            if stop:
-                break
+                if not self._take(item):
+                    return
+            self._expire_waiting()
             if self._embedding:
                 self._embed_some()
             self._admit()
-            if self._active:
-                try:
-                    self._step()
-                except Exception as error:  # a failed step ends what it carried, never the thread
-                    log.exception("engine step failed")
-                    for sequence in list(self._active):
-                        self._finish(sequence, FINISH_ERROR, _describe(error))
-        for sequence in list(self._active):
-            self._finish(sequence, FINISH_CANCELLED, "the engine shut down")
-        while self._waiting:
-            self._reject(self._waiting.popleft(), FINISH_CANCELLED, "the engine shut down")
-        while self._embedding:
-            job, _ = self._embedding.popleft()
-            job.error = "the engine shut down"
-            job.done.set()
+            if self._changed:
+                self._publish()
+            if self._running:
+                self._step()
 
-    def _take(self, item: Handle | EmbeddingJob) -> None:
+    def _take(self, item: Handle | EmbeddingJob | _Call | None) -> bool:
+        """File an inbox item; False when it asks the engine to stop."""
+        if item is None:
+            return False
         if isinstance(item, EmbeddingJob):
             self._embedding.append((item, 0))
+        elif isinstance(item, _Call):
+            try:
+                item.result = item.function()
+            except BaseException as error:  # noqa: BLE001 (the caller gets it)
+                item.error = error
+            item.done.set()
         else:
             self._waiting.append(item)
+            self._changed = True
+        return True
+
+    def _publish(self) -> None:
+        """Swap in a fresh status (one assignment: readers get all of it or the previous one)."""
+        idle = tuple(tuple(slot.held) for slot in self._slots if slot.running is None)
+        self.status = EngineStatus(len(self._waiting), len(self._running), idle, self.status.dead)
+        if self._running:
+            self.idle.clear()
+        else:
+            self.idle.set()
+        self._changed = False
+
+    def _die(self, error: BaseException) -> None:
+        """Something escaped the loop: every request gets an error, and nothing new is taken."""
+        log.critical("the engine thread failed; every request gets an error and the server answers 503 until "
+                     "restarted", exc_info=error)
+        self.status = EngineStatus(dead=_describe(error) if isinstance(error, Exception) else repr(error))
+        self._end(f"the engine failed: {self.status.dead}", FINISH_ERROR)
+        self.idle.set()
+
+    def _end(self, why: str, reason: str = FINISH_CANCELLED) -> None:
+        """Answer everything still here, and whatever arrives until callers see the engine is gone."""
+        for running in list(self._running):
+            try:
+                self._finish(running, reason, why)
+            except Exception:  # the backend may be what failed: the client still gets its answer
+                running.handle._put(FinishEvent(reason, Usage(len(running.prompt), len(running.generated_tokens),
+                                                               0.0, 0.0), why))
+        self._running.clear()
+        while self._waiting:
+            self._reject(self._waiting.popleft(), reason, why)
+        while self._embedding:
+            job, _ = self._embedding.popleft()
+            job.error = why
+            job.done.set()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Handle):
+                self._reject(item, reason, why)
+            elif isinstance(item, EmbeddingJob):
+                item.error = why
+                item.done.set()
+            elif isinstance(item, _Call):
+                item.error = EngineUnavailable(why)
+                item.done.set()
+
+    # --- engine thread: admission -----------------------------------------------------------
+
+    def _expire_waiting(self) -> None:
+        if not self.queue_timeout_s:
+            return
+        deadline = time.monotonic() - self.queue_timeout_s
+        while self._waiting and self._waiting[0].submitted_at < deadline:
+            self._reject(self._waiting.popleft(), FINISH_TIMEOUT,
+                         f"no sequence slot became free within {self.queue_timeout_s:g} s")
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < len(self._slots):
+            handle = self._waiting[0]
+            if handle.cancelled:
+                self._reject(self._waiting.popleft(), FINISH_CANCELLED)
+                continue
+            # Admit only what the shared KV can hold beside what is running; the head of the queue
+            # waits (and so does everyone behind it: first come, first served, no starvation).
+            if self._running and self._reserved() + self._reservation(handle) > self.backend.n_ctx:
+                break
+            self._waiting.popleft()
+            self._changed = True
+            try:
+                running = self._start(handle)
+            except Exception as error:  # one bad admission fails its request, not the engine
+                log.exception("cannot start a request")
+                self._reject(handle, FINISH_ERROR, _describe(error))
+                continue
+            self._running.append(running)
+
+    def _start(self, handle: Handle) -> Running:
+        """Give a request a slot with its KV ready to extend, and its own sampler chain."""
+        backend = self.backend
+        params = handle.request.params
+        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
+        slot, shared = self._pick_slot(handle.prompt_tokens)
+        # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
+        sampler = backend.new_sampler(steps)
+        try:
+            if params.penalised:
+                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
+                    handle.prompt_tokens[-params.repeat_last_n:]
+                for token in window:
+                    backend.accept(sampler, token)
+            room = backend.n_ctx_seq - len(handle.prompt_tokens)
+            running = Running(handle, slot, sampler, min(params.max_tokens or room, room), next(self._admissions))
+            saved = self._best_saved_state(handle)
+            from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
+                if saved is not None else 0
+            if from_saved > shared:
+                backend.seq_rm(slot.seq_id)
+                shared = self._restore(saved, slot.seq_id, from_saved)
+            elif not (shared and backend.seq_rm(slot.seq_id, shared, -1)):
+                backend.seq_rm(slot.seq_id)
+                shared = 0
+            running.n_fed = running.cached = shared
+            running.solo_last = not handle.request.warm and \
+                len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
+            running.snapshot_at = self._snapshot_point(running)
+            if self.speculation is not None and not handle.request.warm:
+                running.draftings = self.speculation.start(handle.prompt_tokens)
+        except BaseException:
+            backend.free_sampler(sampler)
+            backend.seq_rm(slot.seq_id)
+            slot.held = []
+            raise
+        slot.running, slot.held = running, []  # only now: a failed start must not lose its slot
+        return running
+
+    def _snapshot_point(self, running: Running) -> int:
+        """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
+        token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
+        cache = self.cache
+        request = running.handle.request
+        if cache is None or request.session is not None:
+            return -1
+        if request.warm:
+            return len(running.prompt) if not cache.has(running.prompt) else -1
+        end = len(running.prompt) - 1
+        return end if running.solo_last and end - running.cached >= cache.min_new_tokens else -1
+
+    def _reservation(self, handle: Handle) -> int:
+        """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
+        params = handle.request.params
+        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
+        return len(handle.prompt_tokens) + min(room, params.max_tokens or self.reserve_tokens)
+
+    def _reserved(self) -> int:
+        return sum(self._reservation(running.handle) for running in self._running)
+
+    def _pick_slot(self, prompt: list[int]) -> tuple[Slot, int]:
+        """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
+        tokens can be kept (never the whole prompt: the last prompt token is always decoded,
+        for its logits). When no slot shares a useful prefix (a BOS is not one), an empty slot
+        or else the least recently used one is taken, so other slots keep their caches."""
+        idle = sorted((slot for slot in self._slots if slot.running is None), key=lambda slot: slot.used)
+        best, best_shared = idle[0], 0
+        for slot in idle:
+            shared = common_prefix(slot.held, prompt)
+            if shared > best_shared:
+                best, best_shared = slot, shared
+        if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
+            best = next((slot for slot in idle if not slot.held), idle[0])
+            best_shared = common_prefix(best.held, prompt)
+        return best, min(best_shared, len(prompt) - 1)
+
+    @staticmethod
+    def _best_saved_state(handle: Handle) -> SessionState | Snapshot | None:
+        """The request's session or its prefix-cache snapshot, whichever covers more of the prompt."""
+        session = handle.request.session
+        saved = [state for state in (session.state if session is not None else None, handle.snapshot)
+                 if state is not None and state.blob]
+        return max(saved, key=lambda state: common_prefix(state.tokens, handle.prompt_tokens), default=None)
+
+    def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
+        """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        cache = self.cache if isinstance(saved, Snapshot) else None
+        if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
+            self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
+            if cache is not None:
+                cache.restore_failed(saved)
+            return 0
+        if cache is not None:
+            cache.restored(shared)
+        return shared
+
+    # --- engine thread: embeddings -----------------------------------------------------
 
     def _embed_some(self) -> None:
         """One embedding decode: the next inputs of the oldest job that fit one batch. Between two of
@@ -324,223 +564,116 @@ class Engine:
         self._embedding.popleft()
         job.done.set()
 
-    def _admit(self) -> None:
-        if self.queue_timeout_s:
-            deadline = time.monotonic() - self.queue_timeout_s
-            while self._waiting and self._waiting[0].submitted_at < deadline:
-                self._reject(self._waiting.popleft(), FINISH_TIMEOUT,
-                             f"no sequence slot became free within {self.queue_timeout_s:g} s")
-        while self._waiting and self._idle:
-            handle = self._waiting[0]
-            if handle.cancelled:
-                self._reject(self._waiting.popleft(), FINISH_CANCELLED)
-                continue
-            # Admit only what the shared KV can hold beside what is running; the head of the queue
-            # waits (and so does everyone behind it: first come, first served, no starvation).
-            if self._active and self._reserved() + self._reservation(handle) > self.backend.n_ctx:
-                break
-            self._waiting.popleft()
-            try:
-                sequence = self._start(handle)
-            except Exception as error:  # one bad admission fails its request, not the engine
-                log.exception("cannot start a request")
-                self._reject(handle, FINISH_ERROR, _describe(error))
-                continue
-            self._active.append(sequence)
-
-    def _start(self, handle: Handle) -> _Sequence:
-        """Give a request a sequence slot with an empty KV and its own sampler chain."""
-        backend = self.backend
-        params = handle.request.params
-        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
-        seq_id, shared = self._pick_slot(handle.prompt_tokens)
-        speculate = self.speculation is not None and not handle.request.warm
-        # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
-        sampler = backend.new_sampler(steps)
-        try:
-            if params.penalised:
-                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
-                    handle.prompt_tokens[-params.repeat_last_n:]
-                for token in window:
-                    backend.accept(sampler, token)
-            room = backend.n_ctx_seq - len(handle.prompt_tokens)
-            max_tokens = min(params.max_tokens or room, room)
-            sequence = _Sequence(handle, seq_id, sampler, max_tokens, next(self._admissions))
-            saved = self._best_saved_state(handle)
-            from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
-                if saved is not None else 0
-            if from_saved > shared:
-                backend.seq_rm(seq_id)
-                shared = self._restore(saved, seq_id, from_saved)
-            elif not (shared and backend.seq_rm(seq_id, shared, -1)):
-                backend.seq_rm(seq_id)
-                shared = 0
-            sequence.n_fed = sequence.cached = shared
-            sequence.solo_last = not handle.request.warm and \
-                len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
-            sequence.snapshot_at = self._snapshot_point(sequence)
-            if speculate:
-                assert self.speculation is not None
-                sequence.draftings = self.speculation.start(handle.prompt_tokens)
-        except BaseException:
-            backend.free_sampler(sampler)
-            backend.seq_rm(seq_id)
-            self._idle[seq_id] = []
-            raise
-        del self._idle[seq_id]  # only now: a failed start must not lose its slot
-        return sequence
-
-    def _snapshot_point(self, sequence: _Sequence) -> int:
-        """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
-        token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
-        cache = self.cache
-        request = sequence.handle.request
-        if cache is None or request.session is not None:
-            return -1
-        if request.warm:
-            return len(sequence.prompt) if not cache.has(sequence.prompt) else -1
-        end = len(sequence.prompt) - 1
-        return end if sequence.solo_last and end - sequence.cached >= cache.min_new_tokens else -1
-
-    def _reservation(self, handle: Handle) -> int:
-        """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
-        params = handle.request.params
-        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
-        return len(handle.prompt_tokens) + min(room, params.max_tokens or self.reserve_tokens)
-
-    def _reserved(self) -> int:
-        return sum(self._reservation(sequence.handle) for sequence in self._active)
-
-    def _pick_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
-        tokens can be kept (never the whole prompt: the last prompt token is always decoded,
-        for its logits). When no slot shares a useful prefix (a BOS is not one), an empty slot
-        or else the least recently used one is taken, so other slots keep their caches."""
-        best, best_shared = next(iter(self._idle)), 0
-        for seq_id, cached in self._idle.items():
-            shared = common_prefix(cached, prompt)
-            if shared > best_shared:
-                best, best_shared = seq_id, shared
-        if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
-            best = next((seq_id for seq_id, cached in self._idle.items() if not cached), next(iter(self._idle)))
-            best_shared = common_prefix(self._idle[best], prompt)
-        return best, min(best_shared, len(prompt) - 1)
-
-    @staticmethod
-    def _best_saved_state(handle: Handle) -> SessionState | Snapshot | None:
-        """The request's session or its prefix-cache snapshot, whichever covers more of the prompt."""
-        saved = [state for state in (handle.request.session, handle.snapshot) if state is not None and state.blob]
-        return max(saved, key=lambda state: common_prefix(state.tokens, handle.prompt_tokens), default=None)
-
-    def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
-        """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
-        cache = self.cache if isinstance(saved, Snapshot) else None
-        if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
-            self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
-            if cache is not None:
-                cache.restore_failed(saved)
-            return 0
-        if cache is not None:
-            cache.restored(shared)
-        return shared
+    # --- engine thread: a step ----------------------------------------------------------
 
     def _step(self) -> None:
-        backend = self.backend
-        tokens: list[int] = []
-        positions: list[int] = []
-        seq_ids: list[int] = []
-        outputs: list[bool] = []
-        # sequence, its first output's index, its drafts and the source that made them
-        samplers: list[tuple[_Sequence, int, list[int], Drafting | None]] = []
-        decoding = []
-        for sequence in list(self._active):
-            if sequence.handle.cancelled:
-                self._finish(sequence, FINISH_CANCELLED)
-            elif sequence.handle.request.warm and sequence.n_fed >= max(sequence.snapshot_at, 0):
-                self._finish(sequence, FINISH_STOP)  # prefilled and snapshotted: warming ends here
-            elif sequence.next_token is not None:
-                decoding.append(sequence)
-        drafted_here = len(decoding)  # tokens the step carries so far: what the draft controllers weigh
-        for sequence in decoding:
-            drafting, drafts = self._drafts(sequence, drafted_here, len(decoding)) if sequence.draftings \
-                else (None, [])
-            drafted_here += len(drafts)
-            samplers.append((sequence, len(tokens), drafts, drafting))
-            tokens.append(sequence.next_token)
-            tokens.extend(drafts)
-            positions.extend(range(sequence.n_fed, sequence.n_fed + 1 + len(drafts)))
-            seq_ids.extend([sequence.seq_id] * (1 + len(drafts)))
-            outputs.extend([True] * (1 + len(drafts)))
+        """Plan, execute, apply; a failed step ends what it carried, never the thread."""
+        self._retire()
+        plan = self._plan()
+        if not plan.tokens:
+            return
+        try:
+            started = time.perf_counter()
+            status = self.backend.decode(plan.tokens, plan.positions, plan.seq_ids, plan.outputs)
+            seconds = time.perf_counter() - started
+            if status == DECODE_NO_KV_SLOT:
+                self._relieve_full_kv(plan)
+                return
+            self._apply(plan, seconds)
+        except Exception as error:
+            log.exception("engine step failed")
+            for running in list(self._running):
+                self._finish(running, FINISH_ERROR, _describe(error))
+
+    def _retire(self) -> None:
+        """End what needs no step: cancelled requests, and warm requests whose prompt is snapshotted."""
+        for running in list(self._running):
+            if running.handle.cancelled:
+                self._finish(running, FINISH_CANCELLED)
+            elif running.handle.request.warm and running.n_fed >= max(running.snapshot_at, 0):
+                self._finish(running, FINISH_STOP)
+
+    def _plan(self) -> StepPlan:
+        """The next decode: each decoding sequence's next token and the drafts its controller finds worth
+        verifying, then prompt chunks in the room left."""
+        plan = StepPlan()
+        decoding = [running for running in self._running if running.next_token is not None]
+        plan.decoding = len(decoding)
+        for running in decoding:
+            drafting, drafts = self._drafts(running, plan.decoding + plan.drafted, plan.decoding) \
+                if running.draftings else (None, [])
+            plan.drafted += len(drafts)
+            plan.draws.append((running, len(plan.tokens), drafts, drafting))
+            plan.add([running.next_token, *drafts], running.n_fed, running.seq_id, True)
         # Prompts are fed beside the decoding sequences, at most `prefill_chunk_tokens` per step so
         # a long newcomer delays running streams by one chunk, never by its whole prompt. With no
         # stream to protect, a prompt takes the whole batch.
-        budget = backend.n_batch - len(tokens)
-        if tokens and self.prefill_chunk_tokens:
+        budget = self.backend.n_batch - len(plan.tokens)
+        if plan.tokens and self.prefill_chunk_tokens:
             budget = min(budget, self.prefill_chunk_tokens)
-        prefilled: list[tuple[_Sequence, int]] = []
-        for sequence in self._active:
-            if sequence.next_token is not None or sequence.n_fed >= len(sequence.prompt) or budget <= 0:
+        for running in self._running:
+            if running.next_token is not None or running.n_fed >= len(running.prompt) or budget <= 0:
                 continue
-            end = len(sequence.prompt)
-            if sequence.solo_last and sequence.n_fed < end - 1:
+            end = len(running.prompt)
+            if running.solo_last and running.n_fed < end - 1:
                 end -= 1  # the last token goes alone, in a later step
-            take = min(budget, end - sequence.n_fed)
-            start = sequence.n_fed
-            tokens.extend(sequence.prompt[start:start + take])
-            positions.extend(range(start, start + take))
-            seq_ids.extend([sequence.seq_id] * take)
-            outputs.extend([False] * take)
-            if start + take == len(sequence.prompt) and not sequence.handle.request.warm:
-                outputs[-1] = True
-                samplers.append((sequence, len(tokens) - 1, [], None))
-            prefilled.append((sequence, take))
+            take = min(budget, end - running.n_fed)
+            start = running.n_fed
+            plan.add(running.prompt[start:start + take], start, running.seq_id, False)
+            if start + take == len(running.prompt) and not running.handle.request.warm:
+                plan.outputs[-1] = True
+                plan.draws.append((running, len(plan.tokens) - 1, [], None))
+            plan.prefills.append((running, take))
             budget -= take
-        if not tokens:
-            return
-        started = time.perf_counter()
-        if backend.decode(tokens, positions, seq_ids, outputs) == DECODE_NO_KV_SLOT:
-            # The shared context is full. Drafts go first (the next step runs without them), then the
-            # KV that idle slots keep for reuse; only then does a running sequence give way (below).
-            if drafted_here > len(decoding):
-                self._drafts_paused = True
-                return
-            cached = [seq_id for seq_id, tokens in self._idle.items() if tokens]
-            if cached:
-                largest = max(cached, key=lambda seq_id: len(self._idle[seq_id]))
-                backend.seq_rm(largest)
-                self._idle[largest] = []
-                return
-            # The one furthest beyond its reservation ran the KV out (ties: the newest).
-            offender = max(self._active, key=lambda s: (s.n_fed - self._reservation(s.handle), s.admission))
-            self._finish(offender, FINISH_LENGTH, "the context is full")
-            return
-        for sequence, take in prefilled:
-            sequence.n_fed += take
-            if sequence.n_fed == sequence.snapshot_at:
-                self.cache.offer(Snapshot(tuple(sequence.prompt[:sequence.n_fed]),
-                                          backend.seq_state_get(sequence.seq_id)))
-        self._drafts_paused = False
-        for sequence, index, drafts, drafting in samplers:
-            self._verify(sequence, index, drafts, drafting)
-        if self.speculation is not None:
-            if not prefilled:  # prompt tokens need no logits: cheaper than the rows a verification outputs
-                self.speculation.cost.observe(len(tokens), time.perf_counter() - started)
-            self.speculation.stats.step(drafted_here > len(decoding))
+        return plan
 
-    def _drafts(self, sequence: _Sequence, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
+    def _relieve_full_kv(self, plan: StepPlan) -> None:
+        """The shared context is full. Drafts go first (the next step runs without them), then the KV
+        that idle slots keep for reuse; only then does a running sequence give way."""
+        if plan.drafted:
+            self._drafts_paused = True
+            return
+        cached = [slot for slot in self._slots if slot.running is None and slot.held]
+        if cached:
+            largest = max(cached, key=lambda slot: len(slot.held))
+            self.backend.seq_rm(largest.seq_id)
+            largest.held = []
+            self._changed = True
+            return
+        # The one furthest beyond its reservation ran the KV out (ties: the newest).
+        offender = max(self._running, key=lambda r: (r.n_fed - self._reservation(r.handle), r.admission))
+        self._finish(offender, FINISH_LENGTH, "the context is full")
+
+    def _apply(self, plan: StepPlan, seconds: float) -> None:
+        """What a decode that ran means: prompt progress (and snapshots), each sequence's draws, the cost model."""
+        for running, take in plan.prefills:
+            running.n_fed += take
+            if running.n_fed == running.snapshot_at:
+                assert self.cache is not None
+                self.cache.offer(Snapshot(tuple(running.prompt[:running.n_fed]),
+                                          self.backend.seq_state_get(running.seq_id)))
+        self._drafts_paused = False
+        for running, index, drafts, drafting in plan.draws:
+            self._verify(running, index, drafts, drafting)
+        if self.speculation is not None:
+            if not plan.prefills:  # prompt tokens need no logits: cheaper than the rows a verification outputs
+                self.speculation.cost.observe(len(plan.tokens), seconds)
+            self.speculation.stats.step(plan.drafted > 0)
+
+    def _drafts(self, running: Running, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
         """Tokens to verify after the sequence's next one, and their source: as many as its
         controller finds worth it, within the answer's and the context's room and the batch."""
         assert self.speculation is not None
         if self._drafts_paused:
             return None, []
-        room = min(sequence.max_tokens - len(sequence.generated_tokens) - 1,
-                   self.backend.n_ctx_seq - sequence.n_fed - 1,
+        room = min(running.max_tokens - len(running.generated_tokens) - 1,
+                   self.backend.n_ctx_seq - running.n_fed - 1,
                    self.backend.n_batch - batch_tokens - 1)
         if room <= 0:
             return None, []
-        return self.speculation.propose(sequence.draftings, batch_tokens, sequences, room)
+        return self.speculation.propose(running.draftings, batch_tokens, sequences, room)
 
-    def _verify(self, sequence: _Sequence, index: int, drafts: list[int], drafting: Drafting | None) -> None:
+    def _verify(self, running: Running, index: int, drafts: list[int], drafting: Drafting | None) -> None:
         """Sample the sequence's outputs in order: drafts are accepted while the model's own choice
         equals them; its first different choice (or the token after the last draft) ends the run.
 
@@ -549,74 +682,76 @@ class Engine:
         a plain draw from the model with the request's chain, greedy or not.
         """
         backend = self.backend
-        top = sequence.handle.request.logprobs
+        top = running.handle.request.logprobs
         chosen: list[tuple[int, tuple]] = []
         for row in range(len(drafts) + 1):
-            token = backend.sample(sequence.sampler, index + row)
+            token = backend.sample(running.sampler, index + row)
             chosen.append((token, () if top is None else log_softmax_of(backend.logits(index + row), token, top)))
             if row == len(drafts) or token != drafts[row]:
                 break
         accepted = len(chosen) - 1
-        if sequence.next_token is not None:  # it and the accepted drafts are in the KV; the rest goes
-            sequence.n_fed += 1 + accepted
+        if running.next_token is not None:  # it and the accepted drafts are in the KV; the rest goes
+            running.n_fed += 1 + accepted
             if accepted < len(drafts):
-                backend.seq_rm(sequence.seq_id, sequence.n_fed, -1)
+                backend.seq_rm(running.seq_id, running.n_fed, -1)
         if drafting is not None:
             assert self.speculation is not None
             self.speculation.verified(drafting, len(drafts), accepted)
-            sequence.drafted += len(drafts)
-            sequence.accepted_drafts += accepted
+            running.drafted += len(drafts)
+            running.accepted_drafts += accepted
         for token, logprobs in chosen:
-            self._on_token(sequence, token, *logprobs)
-            if sequence.next_token is None or sequence not in self._active:
+            self._on_token(running, token, *logprobs)
+            if running.next_token is None or running.slot.running is not running:
                 break
 
-    def _on_token(self, sequence: _Sequence, token: int, logprob: float | None = None,
+    def _on_token(self, running: Running, token: int, logprob: float | None = None,
                   top: tuple[tuple[int, float], ...] = ()) -> None:
         backend = self.backend
-        if not sequence.first_token_at:
-            sequence.first_token_at = time.perf_counter()
+        if not running.first_token_at:
+            running.first_token_at = time.perf_counter()
         if backend.is_eog(token):
-            sequence.next_token = None
-            self._finish(sequence, FINISH_STOP)
+            running.next_token = None
+            self._finish(running, FINISH_STOP)
             return
-        sequence.generated_tokens.append(token)
-        if sequence.draftings:
+        running.generated_tokens.append(token)
+        if running.draftings:
             assert self.speculation is not None
-            self.speculation.observe(sequence.draftings, (token,))
-        text = sequence.stream.push(backend.token_piece(token))
-        sequence.handle._put(TokenEvent(token, text, logprob, top))
-        if sequence.stream.stopped:
-            self._finish(sequence, FINISH_STOP)
-        elif len(sequence.generated_tokens) >= sequence.max_tokens:
-            self._finish(sequence, FINISH_LENGTH)
-        elif sequence.n_fed + 1 > backend.n_ctx_seq:
-            self._finish(sequence, FINISH_LENGTH, "the context is full")
+            self.speculation.observe(running.draftings, (token,))
+        text = running.stream.push(backend.token_piece(token))
+        running.handle._put(TokenEvent(token, text, logprob, top))
+        if running.stream.stopped:
+            self._finish(running, FINISH_STOP)
+        elif len(running.generated_tokens) >= running.max_tokens:
+            self._finish(running, FINISH_LENGTH)
+        elif running.n_fed + 1 > backend.n_ctx_seq:
+            self._finish(running, FINISH_LENGTH, "the context is full")
         else:
-            sequence.next_token = token
+            running.next_token = token
 
-    def _finish(self, sequence: _Sequence, reason: str, message: str = "") -> None:
+    def _finish(self, running: Running, reason: str, message: str = "") -> None:
         now = time.perf_counter()
-        session = sequence.handle.request.session
+        session = running.handle.request.session
         kept = reason in (FINISH_STOP, FINISH_LENGTH)
-        # What the KV now holds: the prompt and the generated tokens already decoded.
-        held = (sequence.prompt + sequence.generated_tokens)[:sequence.n_fed] if kept else []
+        held = running.held() if kept else []
         if session is not None and kept:
-            session.tokens = held
-            session.blob = self.backend.seq_state_get(sequence.seq_id)
-        tail = "" if reason == FINISH_CANCELLED else sequence.stream.flush()
-        first = sequence.first_token_at or now
-        usage = Usage(len(sequence.prompt), len(sequence.generated_tokens), first - sequence.admitted_at, now - first,
-                      sequence.cached, sequence.drafted, sequence.accepted_drafts)
-        self._active.remove(sequence)
+            session.state = running.session_state(self.backend.seq_state_get(running.seq_id))
+        tail = "" if reason == FINISH_CANCELLED else running.stream.flush()
+        first = running.first_token_at or now
+        usage = Usage(len(running.prompt), len(running.generated_tokens), first - running.admitted_at, now - first,
+                      running.cached, running.drafted, running.accepted_drafts)
+        self._running.remove(running)
+        slot = running.slot
         if not held:
-            self.backend.seq_rm(sequence.seq_id)
-        self.backend.free_sampler(sequence.sampler)
-        Speculation.release(sequence.draftings)
-        self._idle[sequence.seq_id] = held  # kept for the next request that shares its prefix (dict order = LRU)
-        sequence.handle._put(FinishEvent(reason, usage, message, tail))
+            self.backend.seq_rm(slot.seq_id)
+        self.backend.free_sampler(running.sampler)
+        Speculation.release(running.draftings)
+        # Kept for the next request that shares its prefix; `used` makes it the most recently used.
+        slot.running, slot.held, slot.used = None, held, next(self._releases)
+        self._changed = True
+        running.handle._put(FinishEvent(reason, usage, message, tail))
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
+        self._changed = True
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
 
 

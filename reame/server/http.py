@@ -12,18 +12,24 @@ keep-alive connection. SSE responses end the connection. Routing and the OpenAI 
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import logging
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger("reame.server")
 
 MAX_CHUNK_LINE_BYTES = 4096
+# A closing connection reads what the client still sends for this long (and this much) before it closes.
+LINGER_S = 2.0
+LINGER_BYTES = 1 << 20
 MAX_TRAILER_LINES = 64
 
 
@@ -36,6 +42,7 @@ class ServerSettings:
     max_connections: int = 64
     max_body_bytes: int = 10 << 20
     idle_timeout_s: float = 30.0
+    request_timeout_s: float = 60.0  # the whole request, from its first byte
     model_id: str = "reame"
     grace_s: float = 30.0
     request_log: bool = True
@@ -56,6 +63,44 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class RequestReader(io.RawIOBase):
+    """A connection's input, with two clocks. A read waits at most `idle_s`; and from a request's first
+    byte, the whole request (line, headers, body) must arrive within `request_s`, so a client that
+    trickles one byte at a time is cut off (408) instead of holding a connection forever. The socket's
+    own timeout stays `idle_s` between reads, for the writes of the answer."""
+
+    def __init__(self, sock: socket.socket, idle_s: float, request_s: float) -> None:
+        super().__init__()
+        self.sock, self.idle_s, self.request_s = sock, idle_s, request_s
+        self.deadline: float | None = None  # set by a request's first byte
+
+    def readable(self) -> bool:
+        return True
+
+    def next_request(self) -> None:
+        self.deadline = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the current request's first byte has arrived."""
+        return self.deadline is not None
+
+    def readinto(self, buffer: Any) -> int:
+        timeout = self.idle_s
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+            if timeout <= 0:
+                raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(timeout)
+        try:
+            received = self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.idle_s)
+        if received and self.deadline is None:
+            self.deadline = time.monotonic() + self.request_s
+        return received
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "reame"
@@ -63,11 +108,42 @@ class Handler(BaseHTTPRequestHandler):
     server: "ReameHTTPServer"
 
     def setup(self) -> None:
-        self.timeout = self.server.settings.idle_timeout_s
+        settings = self.server.settings
+        self.timeout = settings.idle_timeout_s
+        self.body_read, self.body, self.response_started = False, None, False
         super().setup()
+        self.reader = RequestReader(self.connection, settings.idle_timeout_s, settings.request_timeout_s)
+        self.rfile = io.BufferedReader(self.reader, 65536)
+
+    def handle_one_request(self) -> None:
+        """http.server's request loop, except that a request that began but did not arrive in time gets a
+        408 before the connection closes (http.server drops it without a word); an idle one just closes."""
+        self.reader.next_request()
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+                return
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():
+                return
+            method = getattr(self, "do_" + self.command, None)
+            if method is None:
+                self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+                return
+            method()
+            self.wfile.flush()
+        except TimeoutError:
+            self.close_connection = True
+            if self.reader.started and not self.response_started:
+                self.requestline, self.request_version, self.command = "", "HTTP/1.1", "POST"
+                self.send_json(408, HttpError(408, "the request did not arrive in time", code="timeout").body())
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self.body_read, self.body = False, None
+        self.body_read, self.body, self.response_started = False, None, False
         self.server.app.dispatch(self)
         if not self.close_connection:
             self.discard_body()
@@ -78,7 +154,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self.server.settings.cors_origin:
             self.do_GET()
             return
-        self.body_read, self.body = False, None
+        self.body_read, self.body, self.response_started = False, None, False
         self.discard_body()
         self.send_response(204)
         self.send_cors_headers()
@@ -206,6 +282,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
             self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.response_started = True
+        super().send_response(code, message)
+
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -278,20 +358,42 @@ class ReameHTTPServer(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            body = json.dumps(HttpError(503, "too many connections, retry later", "server_error",
-                                        "overloaded").body()).encode()
-            head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                    f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-            try:
-                request.sendall(head + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            # Answered on a thread of its own: the lingering close must not hold up the accept loop.
+            threading.Thread(target=self._refuse, args=(request,), name="reame-refuse", daemon=True).start()
             return
         with self._lock:
             self._busy += 1
             self._connections.add(request)
         super().process_request(request, client_address)
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps(HttpError(503, "too many connections, retry later", "server_error",
+                                    "overloaded").body()).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        try:
+            request.settimeout(self.settings.idle_timeout_s)
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        """Close gracefully: stop sending, then read and drop what the client still sends (a request we
+        answered without reading, say) until it closes, for at most LINGER_S. Closing a socket with
+        unread input makes the kernel send a reset, which a client sees as an error instead of our answer."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(LINGER_S)
+            deadline, drained = time.monotonic() + LINGER_S, 0
+            while drained < LINGER_BYTES and time.monotonic() < deadline:
+                chunk = request.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
+            pass
+        self.close_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import base64
 import dataclasses
+import logging
 import queue
 import sys
 import random
@@ -19,14 +20,16 @@ from typing import Any
 
 from reame.cache import prefix
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
-from reame.errors import ModelError, OverloadedError, RequestError
+from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
-from reame.server.sessions import Sessions
+from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
 from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
                                      embedding_inputs, sampling_params, stream_usage)
+
+log = logging.getLogger("reame.server")
 
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
@@ -67,22 +70,20 @@ class App:
             return []
         stats = speculation.stats.snapshot()
         samples = []
-        for key, value in sorted(stats["counts"].items()):
-            what, _, source = key.partition(":")
-            if source:
+        for source, counts in sorted(stats.sources.items()):
+            for what, value in (("drafted", counts.drafted), ("accepted", counts.accepted)):
                 samples.append(Sample(f"reame_spec_decode_{what}_total", "counter",
                                       f"draft tokens {what}, by draft source", {"source": source}, value))
-            else:
-                kind = what.removeprefix("steps_")
-                samples.append(Sample("reame_spec_decode_steps_total", "counter",
-                                      "engine steps with and without drafts", {"kind": kind}, value))
-        for position, (drafted, accepted) in enumerate(zip(stats["drafted_at"], stats["accepted_at"])):
+        for kind, value in (("plain", stats.steps_plain), ("speculative", stats.steps_speculative)):
+            samples.append(Sample("reame_spec_decode_steps_total", "counter", "engine steps with and without drafts",
+                                  {"kind": kind}, value))
+        for position, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at)):
             if position and drafted:
                 samples.append(Sample("reame_spec_decode_acceptance", "gauge",
                                       "share of drafts at this position the model accepted",
                                       {"position": str(position)}, accepted / drafted))
         samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
-                              stats["last_draft_length"]))
+                              stats.last_draft_length))
         for source, seconds in sorted(speculation.seconds_per_draft().items()):
             samples.append(Sample("reame_spec_decode_draft_seconds_per_token", "gauge",
                                   "recent drafting time per drafted token, by draft source", {"source": source},
@@ -102,11 +103,7 @@ class App:
         path = canonical_path(handler.path.split("?", 1)[0])
         try:
             if path == "/health":
-                self.require(handler, "GET", "HEAD")
-                if self.engine is None:
-                    handler.send_json(503, {"status": "loading"}, {"Retry-After": "5"})
-                else:
-                    handler.send_json(200, {"status": "ok"})
+                self.health(handler)
                 return
             if not handler.authorized():
                 raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
@@ -119,11 +116,26 @@ class App:
             if route is None:
                 raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
             route(self, handler, path)
-        except HttpError as error:
+        except (HttpError, SessionError, EngineUnavailable) as error:
             handler.discard_body()  # before answering: the client may still be sending it
-            handler.send_error_json(error)
+            handler.send_error_json(as_http_error(error))
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True
+        except Exception:  # a bug: the client gets a 500 in OpenAI's shape, the log the traceback, once
+            log.exception("unexpected error answering %s %s", handler.command, path)
+            handler.close_connection = True
+            if not handler.response_started:
+                handler.send_error_json(HttpError(500, "internal server error (see the server log)", "server_error",
+                                                  "internal_error"))
+
+    def health(self, handler: Handler) -> None:
+        self.require(handler, "GET", "HEAD")
+        if self.engine is None:
+            handler.send_json(503, {"status": "loading"}, {"Retry-After": "5"})
+        elif self.engine.status.dead:
+            handler.send_json(503, {"status": "error", "message": self.engine.status.dead})
+        else:
+            handler.send_json(200, {"status": "ok"})
 
     @staticmethod
     def require(handler: Handler, *methods: str) -> None:
@@ -184,6 +196,7 @@ class App:
             try:
                 finish = next(event for event in handle.events(POLL_S) if isinstance(event, FinishEvent))
             except queue.Empty:
+                self.check_engine()
                 if handler.client_gone():
                     handle.cancel()
                     handler.close_connection = True
@@ -242,6 +255,7 @@ class App:
                   else list(item) for item in embedding_inputs(fields.body.get("input"))]
         job = self.submit_checked(lambda: engine.embed(inputs))
         while not job.done.wait(POLL_S):
+            self.check_engine()
             if handler.client_gone():
                 handler.close_connection = True
                 return
@@ -314,17 +328,16 @@ class App:
                             code="unsupported_parameter")
         prompts = completion_prompts(fields.body.get("prompt"))
         suffix = fields.body.get("suffix")
-        if suffix is not None:
-            if not isinstance(suffix, str):
-                raise fields.bad("suffix", "a string")
-            prompts = [fill_in_the_middle(engine, prompt, suffix) for prompt in prompts]
+        if suffix is not None and not isinstance(suffix, str):
+            raise fields.bad("suffix", "a string")
         echo = fields.boolean("echo", False)
         logprobs = fields.integer("logprobs", None, 0, 5)
         if echo and logprobs is not None:
             raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
                             code="unsupported_parameter")
         max_tokens = fields.integer("max_tokens", 16, 1, None)
-        self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs)
+        self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
+                      suffix=suffix)
 
     def chat_completions(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -361,7 +374,7 @@ class App:
 
     def generate(self, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
                  max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
-                 tools: ToolRequest | None = None) -> None:
+                 tools: ToolRequest | None = None, suffix: str | None = None) -> None:
         n = fields.integer("n", 1, 1, MAX_CHOICES)
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
@@ -389,7 +402,8 @@ class App:
                         choice_seed = seed + prompt_index * n + j if seed is not None else \
                             random.randrange(2**32 - 1)
                         params = dataclasses.replace(base, seed=choice_seed % (2**32 - 1))
-                        request = GenerationRequest(prompt, params, logprobs=logprobs, session=session)
+                        request = GenerationRequest(prompt, params, logprobs=logprobs, session=session,
+                                                    suffix=suffix)
                         handles.append(engine.submit(request, sink, len(handles)))
             except (RequestError, OverloadedError) as error:
                 for handle in handles:
@@ -419,10 +433,7 @@ class App:
         remaining = len(handles)
         checked = time.monotonic()
         while remaining:
-            try:
-                tag, event = sink.get(timeout=POLL_S)
-            except queue.Empty:
-                tag, event = -1, None
+            tag, event = self.next_event(sink)
             if time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if handler.client_gone():
@@ -464,7 +475,9 @@ class App:
                     handler.send_event(first)
             remaining = len(handles)
             while remaining:
-                tag, event = sink.get()
+                tag, event = self.next_event(sink)
+                if event is None:
+                    continue
                 choice = choices[tag]
                 if isinstance(event, TokenEvent):
                     if event.logprob is not None:
@@ -499,6 +512,23 @@ class App:
         except OSError:  # the client went away: stop generating for it
             for handle in handles:
                 handle.cancel()
+        except EngineUnavailable as error:  # the stream has begun: the error goes in it, and it ends
+            handler.send_event({"error": {"message": str(error), "type": "server_error", "param": None,
+                                          "code": "engine_unavailable"}})
+
+    def next_event(self, sink: queue.SimpleQueue) -> tuple[int, Any]:
+        """The next (tag, event) of a request's sink, or (-1, None) after POLL_S without one. Never waits
+        forever: EngineUnavailable when the engine failed meanwhile."""
+        try:
+            return sink.get(timeout=POLL_S)
+        except queue.Empty:
+            self.check_engine()
+            return -1, None
+
+    def check_engine(self) -> None:
+        """EngineUnavailable once the engine has failed: a waiting handler answers instead of hanging."""
+        if self.engine is not None and self.engine.status.dead:
+            raise EngineUnavailable(f"the engine failed: {self.engine.status.dead}")
 
     @staticmethod
     def send_said(handler: Handler, response: Response, tag: int, choice: Choice,
@@ -554,6 +584,15 @@ def canonical_path(path: str) -> str:
     return prefixed if prefixed in ROUTES or prefixed.startswith(("/v1/models/", "/v1/sessions/")) else path
 
 
+def as_http_error(error: HttpError | SessionError | EngineUnavailable) -> HttpError:
+    """The HTTP answer to an error of the layers below."""
+    if isinstance(error, SessionError):
+        return HttpError(error.status, str(error), param=error.param, code=error.code)
+    if isinstance(error, EngineUnavailable):
+        return HttpError(503, str(error), "server_error", "engine_unavailable", headers={"Retry-After": "5"})
+    return error
+
+
 def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt") -> HttpError:
     """The HTTP answer to an engine that refused a request: bad input 400, a full queue 429.
     `prompt_param`: what the request called its prompt (a chat's is its "messages")."""
@@ -561,20 +600,3 @@ def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt")
         return HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"})
     param = prompt_param if error.param in (None, "prompt") else error.param
     return HttpError(400, str(error), param=param, code=error.code)
-
-
-def fill_in_the_middle(engine: Engine, prompt: Any, suffix: str) -> list[int]:
-    """Prefix-suffix-middle tokens, as code editors send `prompt` + `suffix`: the model writes the middle.
-
-    User text is tokenized without parsing special tokens, so it cannot forge FIM markers.
-    """
-    backend = engine.backend
-    fim = backend.fim_tokens()
-    if fim is None:
-        raise HttpError(400, "this model has no fill-in-the-middle tokens; 'suffix' needs a code model such as "
-                        "qwen2.5-coder", param="suffix", code="unsupported_parameter")
-    pre, suf, mid = fim
-    prefix = backend.tokenize(prompt, add_special=False, parse_special=False) if isinstance(prompt, str) \
-        else list(prompt)
-    bos = [backend.bos_token] if backend.add_bos and backend.bos_token >= 0 else []
-    return bos + [pre] + prefix + [suf] + backend.tokenize(suffix, add_special=False, parse_special=False) + [mid]

@@ -33,7 +33,7 @@ is off, its guesses are checked against the tokens the model then emits
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from dataclasses import dataclass
 
 COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
@@ -166,31 +166,58 @@ class DraftController:
         self._plain_steps = 0
 
 
+@dataclass
+class SourceCounts:
+    """Draft tokens one source proposed for verification, and how many the model accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class SpeculationSnapshot:
+    """What `SpeculationStats` counted, copied at one moment (for /metrics and the stats line)."""
+
+    sources: dict[str, SourceCounts]
+    steps_plain: int
+    steps_speculative: int
+    drafted_at: tuple[int, ...]  # verifications that carried a draft token at position i (1-based)
+    accepted_at: tuple[int, ...]  # of which the model accepted position i
+    last_draft_length: int
+
+
 class SpeculationStats:
-    """Engine-wide counters for /metrics and the stats line. Thread-safe."""
+    """Engine-wide counters for /metrics and the stats line. Written by the engine thread, read by any:
+    the lock keeps a snapshot whole."""
 
     def __init__(self, max_draft: int) -> None:
         self._lock = threading.Lock()
-        self.counts: Counter[str] = Counter()  # drafted/accepted per source, steps with and without drafts
-        self.accepted_at = [0] * (max_draft + 1)  # verifications whose draft i (1-based) was accepted
-        self.drafted_at = [0] * (max_draft + 1)
-        self.last_draft_length = 0
+        self._sources: dict[str, SourceCounts] = {}
+        self._steps_plain = self._steps_speculative = 0
+        self._accepted_at = [0] * (max_draft + 1)
+        self._drafted_at = [0] * (max_draft + 1)
+        self._last_draft_length = 0
 
     def verified(self, source: str, drafted: int, accepted: int) -> None:
         with self._lock:
-            self.counts[f"drafted:{source}"] += drafted
-            self.counts[f"accepted:{source}"] += accepted
+            counts = self._sources.setdefault(source, SourceCounts())
+            counts.drafted += drafted
+            counts.accepted += accepted
             for position in range(1, drafted + 1):
-                self.drafted_at[position] += 1
+                self._drafted_at[position] += 1
                 if position <= accepted:
-                    self.accepted_at[position] += 1
-            self.last_draft_length = drafted
+                    self._accepted_at[position] += 1
+            self._last_draft_length = drafted
 
     def step(self, speculative: bool) -> None:
         with self._lock:
-            self.counts["steps_speculative" if speculative else "steps_plain"] += 1
+            if speculative:
+                self._steps_speculative += 1
+            else:
+                self._steps_plain += 1
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> SpeculationSnapshot:
         with self._lock:
-            return {"counts": dict(self.counts), "accepted_at": list(self.accepted_at),
-                    "drafted_at": list(self.drafted_at), "last_draft_length": self.last_draft_length}
+            return SpeculationSnapshot({name: SourceCounts(c.drafted, c.accepted) for name, c in self._sources.items()},
+                                       self._steps_plain, self._steps_speculative, tuple(self._drafted_at),
+                                       tuple(self._accepted_at), self._last_draft_length)

@@ -48,7 +48,7 @@ def test_greedy_answer_is_identical_with_prompt_lookup_and_drafts_are_accepted(n
     (fast,) = answer(smollm2_path, speculation)
     assert fast.tokens == plain.tokens
     assert fast.finish.usage.draft_tokens > 20 and fast.finish.usage.accepted_draft_tokens > 5
-    assert speculation.stats.snapshot()["counts"]["steps_speculative"] > 0
+    assert speculation.stats.snapshot().steps_speculative > 0
 
 
 def test_sampled_speculation_runs_beside_other_sequences(native_libraries, smollm2_path):

@@ -43,7 +43,7 @@ def test_a_draft_model_that_agrees_with_the_target_has_every_draft_accepted():
     assert result.tokens == plain(COPY_TEXT).tokens
     usage = result.finish.usage
     assert usage.draft_tokens > 60 and usage.accepted_draft_tokens == usage.draft_tokens
-    assert speculation.stats.snapshot()["counts"]["accepted:draft"] == usage.accepted_draft_tokens
+    assert speculation.stats.snapshot().sources["draft"].accepted == usage.accepted_draft_tokens
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, seed=5, max_tokens=80)])
@@ -102,9 +102,9 @@ def test_prompt_lookup_goes_first_and_the_draft_model_fills_in():
     with Engine(target, speculation=speculation) as engine:
         result = engine.generate(GenerationRequest("a", GREEDY))
     assert result.text.startswith("bcdefghijklmnopqrstuvwxyz abc")
-    counts = speculation.stats.snapshot()["counts"]
-    assert counts["drafted:draft"] > 0 and counts["drafted:lookup"] > counts["drafted:draft"]
-    assert counts["accepted:lookup"] + counts["accepted:draft"] == result.finish.usage.accepted_draft_tokens
+    sources = speculation.stats.snapshot().sources
+    assert sources["draft"].drafted > 0 and sources["lookup"].drafted > sources["draft"].drafted
+    assert sources["lookup"].accepted + sources["draft"].accepted == result.finish.usage.accepted_draft_tokens
 
 
 def test_several_sequences_draft_in_their_own_slots():

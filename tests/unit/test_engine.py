@@ -7,7 +7,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
 from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
-from reame.errors import ModelError, RequestError
+from reame.errors import EngineUnavailable, ModelError, RequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 PROMPTS = ["hello world", "abc", "the quick brown fox", "x", "zzz top", "one two three"]
@@ -219,7 +219,7 @@ def test_close_cancels_running_and_waiting_requests():
     engine.close()
     assert running.result(timeout_s=5).finish.reason in ("cancelled", "length", "stop")
     assert waiting.result(timeout_s=5).finish.reason == "cancelled"
-    with pytest.raises(RequestError):
+    with pytest.raises(EngineUnavailable):
         engine.submit(GenerationRequest("c", GREEDY))
 
 
@@ -282,17 +282,17 @@ def test_logprobs_request_is_validated():
 
 
 def test_a_session_prefills_only_what_the_next_turn_adds_with_identical_output():
-    from reame.engine import SessionState
+    from reame.engine import Session
     backend = FakeBackend()
-    session = SessionState()
+    session = Session()
     turn_one = "<|im_start|>user\nfirst question<|im_end|>\n<|im_start|>assistant\n"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with Engine(backend) as engine:
         first = engine.generate(GenerationRequest(turn_one, params, session=session))
-        assert session.tokens == backend.tokenize(turn_one) + first.tokens[:-1]  # the last token is not in KV
+        # the last token is not in KV
+        assert list(session.state.tokens) == backend.tokenize(turn_one) + first.tokens[:-1]
         turn_two = turn_one + first.text + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
-        backend.clear()  # the slot forgets; only the session remembers
-        engine._idle = {0: []}
+        engine.forget_idle_kv()  # the slot forgets; only the session remembers
         calls_before = len(backend.decode_calls)
         second = engine.generate(GenerationRequest(turn_two, params, session=session))
         fed = sum(len(call) for call in backend.decode_calls[calls_before:])
@@ -304,9 +304,9 @@ def test_a_session_prefills_only_what_the_next_turn_adds_with_identical_output()
 
 
 def test_a_session_blob_that_does_not_restore_falls_back_to_a_full_prefill():
-    from reame.engine import SessionState
+    from reame.engine import Session, SessionState
     backend = FakeBackend()
-    session = SessionState(tokens=backend.tokenize("hello world"), blob=b"garbage")
+    session = Session(SessionState(tokens=tuple(backend.tokenize("hello world")), blob=b"garbage"))
     with Engine(backend) as engine:
         result = engine.generate(GenerationRequest("hello world again", GREEDY, session=session))
     assert result.finish.usage.cached_tokens == 0

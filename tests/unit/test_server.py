@@ -205,15 +205,18 @@ def test_malformed_bodies_are_400_never_500(live, raw):
     assert response.status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
 
 
-def read_sse(live, path, body):
+def read_sse(live, path, body, done=True):
+    """The JSON events of a stream; `done`: it must end with [DONE] (not left in the list)."""
     connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
     connection.request("POST", path, body=json.dumps(body))
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
     frames = [line[6:] for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
     connection.close()
-    assert frames[-1] == "[DONE]"
-    return [json.loads(frame) for frame in frames[:-1]]
+    if done:
+        assert frames[-1] == "[DONE]"
+        frames = frames[:-1]
+    return [json.loads(frame) for frame in frames]
 
 
 def test_chat_stream_has_role_first_finish_last_and_usage(live):
@@ -662,8 +665,7 @@ DOC = "a document that many requests start with, long enough to be worth a snaps
 def test_warm_prefills_a_prompt_and_later_requests_report_it_cached(cached):
     status, body = cached.json("POST", "/v1/warm", {"prompt": DOC})
     assert status == 200 and body["warmed"] is True and body["tokens"] > 100 and body["cached_tokens"] == 0
-    cached.app.engine.backend.clear()  # as if the slots had moved on: only the cache holds it now
-    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
+    cached.app.engine.forget_idle_kv()  # as if the slots had moved on: only the cache holds it now
     status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"][
         "prompt_tokens"] - len("question?")
@@ -677,8 +679,7 @@ def test_warm_takes_chat_messages_as_the_prefix_of_a_later_chat(cached):
     system = {"role": "system", "content": DOC}
     status, warmed = cached.json("POST", "/v1/warm", {"messages": [system]})
     assert status == 200 and warmed["warmed"] is True
-    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
-    cached.app.engine.backend.clear()
+    cached.app.engine.forget_idle_kv()
     status, body = cached.json("POST", "/v1/chat/completions",
                                {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == warmed["tokens"]
@@ -795,8 +796,7 @@ def test_a_compressed_session_without_zstandard_is_refused_naming_the_module(wit
 
 def test_without_zstandard_the_prefix_cache_stores_and_serves(no_zstandard, cached):
     assert cached.json("POST", "/v1/warm", {"prompt": DOC})[1]["warmed"] is True
-    cached.app.engine.backend.clear()
-    cached.app.engine._idle = {seq_id: [] for seq_id in cached.app.engine._idle}
+    cached.app.engine.forget_idle_kv()
     status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
 

@@ -68,8 +68,7 @@ def test_greedy_output_is_identical_with_and_without_speculation(per_token):
     assert fast.tokens == plain.tokens
     assert fast.finish.usage.accepted_draft_tokens > 60
     assert len(fast_backend.decode_calls) < len(plain_backend.decode_calls) / 2
-    counts = speculation.stats.snapshot()["counts"]
-    assert counts["accepted:lookup"] == fast.finish.usage.accepted_draft_tokens
+    assert speculation.stats.snapshot().sources["lookup"].accepted == fast.finish.usage.accepted_draft_tokens
 
 
 def test_stop_strings_max_tokens_and_end_of_text_hold_inside_an_accepted_run():
@@ -162,7 +161,7 @@ def test_sampled_output_follows_the_models_distribution_exactly():
     assert chi_square < 13.8, f"chi-square {chi_square:.1f} (2 degrees of freedom, p = 0.001): {counts}"
     first = speculation.stats.snapshot()
     assert drafted > 3000 and accepted > 300
-    assert 0.17 < first["accepted_at"][1] / first["drafted_at"][1] < 0.23, "a first draft of c passes with p(c)"
+    assert 0.17 < first.accepted_at[1] / first.drafted_at[1] < 0.23, "a first draft of c passes with p(c)"
 
 
 def test_sampled_output_with_speculation_always_accepting_would_fail_the_same_test():

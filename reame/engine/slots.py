@@ -1,0 +1,83 @@
+"""Sequence slots: what each slot of the shared KV holds, and the request it serves.
+
+Owned by the engine thread; nothing here is read by another thread. Other
+threads see what they need of it through the `EngineStatus` the engine
+publishes (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from reame.engine.request import Handle, SessionState
+from reame.engine.textstream import TextStream
+from reame.speculative import Drafting
+
+
+class Running:
+    """One admitted request while it holds a slot: its prompt, what it generated, its sampler."""
+
+    __slots__ = (
+        "accepted_drafts",
+        "admission",
+        "admitted_at",
+        "cached",
+        "drafted",
+        "draftings",
+        "first_token_at",
+        "generated_tokens",
+        "handle",
+        "max_tokens",
+        "n_fed",
+        "next_token",
+        "prompt",
+        "sampler",
+        "slot",
+        "snapshot_at",
+        "solo_last",
+        "stream",
+    )
+
+    def __init__(self, handle: Handle, slot: Slot, sampler: object, max_tokens: int, admission: int) -> None:
+        self.handle = handle
+        self.slot = slot
+        self.admission = admission  # admission order: breaks ties when the KV is full
+        self.sampler = sampler
+        self.prompt = handle.prompt_tokens
+        self.n_fed = 0  # tokens of this sequence in the KV cache
+        self.next_token: int | None = None  # sampled, not yet decoded
+        self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
+        self.cached = 0  # prompt tokens found in the KV instead of prefilled
+        self.snapshot_at = -1  # KV length at which to snapshot the prompt into the prefix cache (-1: never)
+        self.solo_last = False  # decode the last prompt token in a step of its own (SOLO_LAST_TOKEN_PREFILL)
+        self.max_tokens = max_tokens
+        self.stream = TextStream(handle.request.params.stop)
+        self.admitted_at = time.perf_counter()
+        self.first_token_at = 0.0
+        self.draftings: list[Drafting] = []  # speculative decoding's sources, when the request allows it
+        self.drafted = self.accepted_drafts = 0
+
+    @property
+    def seq_id(self) -> int:
+        return self.slot.seq_id
+
+    def held(self) -> list[int]:
+        """What the KV holds for it now: the prompt and the generated tokens already decoded."""
+        return (self.prompt + self.generated_tokens)[:self.n_fed]
+
+    def session_state(self, blob: bytes | memoryview) -> SessionState:
+        return SessionState(tuple(self.held()), blob)
+
+
+class Slot:
+    """One sequence slot of the shared KV. Idle, it keeps the KV of its last request (`held`) for the
+    next one that shares a prefix with it; busy, it serves `running`. `used` orders idle slots from
+    least to most recently released."""
+
+    __slots__ = ("held", "running", "seq_id", "used")
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self.held: list[int] = []
+        self.running: Running | None = None
+        self.used = 0
