@@ -8,24 +8,21 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from reame import __version__, autoconfig, catalog, config, fetch
+from reame import __version__, assembly, catalog, config, fetch
+from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
-from reame.cache import PrefixCache, codec
-from reame.speculative import DraftSource, PromptLookup, Speculation
-from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.engine.backend import LlamaBackend
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
-from reame.native import LLAMA_COMMIT, cache_root
-from reame.server.http import ServerSettings
-from reame.server.sessions import Sessions
+from reame.native import LLAMA_COMMIT
+from reame.settings import Settings, from_values
 
 log = logging.getLogger("reame")
 
@@ -181,7 +178,7 @@ def configure_logging(level: int) -> None:
 
 # --- settings ---------------------------------------------------------------------------
 
-def load_settings(args: argparse.Namespace) -> dict[str, config.Value]:
+def load_settings(args: argparse.Namespace) -> Settings:
     flags = {
         "generation.max_tokens": args.max_tokens, "generation.temperature": args.temp,
         "generation.seed": args.seed,
@@ -192,57 +189,13 @@ def load_settings(args: argparse.Namespace) -> dict[str, config.Value]:
         "server.host": args.host, "server.port": args.port,
         "server.api_key": ",".join(args.api_key) if args.api_key else None, "server.parallel": args.parallel,
     }
-    return config.load(args.config or os.environ.get("REAME_CONFIG") or None, flags=flags)
+    return from_values(config.load(args.config or os.environ.get("REAME_CONFIG") or None, flags=flags))
 
 
-def resolve_model(name: str) -> tuple[Path, catalog.ModelEntry | None]:
-    """A catalog name (fetched on first use) or an existing file."""
-    if not name:
-        raise ConfigError("no model given: name one (see `reame list`) or set model.path in the config file")
-    entry = catalog.resolve(name)
-    if entry is not None:
-        return fetch.ensure_model(entry, progress=progress_stream()), entry
-    path = Path(name).expanduser()
-    if path.is_file():
-        return path, catalog.by_filename(path.name)
-    if path.exists():
-        raise ModelFileError(f"model path is not a file: {name}")
-    hint = ", ".join(catalog.suggestions(name))
-    raise ConfigError(f"unknown model '{name}' and no such file (relative paths start from the working "
-                      f"directory); catalog names: {hint}")
-
-
-def plan(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry | None) -> dict[str, autoconfig.Choice]:
-    return autoconfig.choose(
-        path, autoconfig.probe_host(), threads=values["model.threads"].value,
-        context=values["model.context_length"].value, kv_type=values["memory.kv_cache_type"].value,
-        batch=values["model.batch"].value, ubatch=values["model.ubatch"].value,
-        preferred_context=entry.default_ctx if entry else 0, parallel=values["server.parallel"].value)
-
-
-def model_settings(path: Path, values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice],
-                   n_seq: int = 1) -> ModelSettings:
-    return ModelSettings(
-        str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
-        n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
-        kv_type=chosen["memory.kv_cache_type"].value, use_mmap=values["memory.use_mmap"].value,
-        use_mlock=values["memory.use_mlock"].value, chat_template=values["model.chat_template"].value,
-        embedding_ctx=values["embeddings.context_length"].value, embedding_pooling=values["embeddings.pooling"].value)
-
-
-def sampling(values: dict[str, config.Value]) -> SamplingParams:
-    return SamplingParams(max_tokens=values["generation.max_tokens"].value,
-                          temperature=values["generation.temperature"].value,
-                          seed=values["generation.seed"].value, top_k=values["generation.top_k"].value,
-                          top_p=values["generation.top_p"].value, min_p=values["generation.min_p"].value,
-                          repeat_penalty=values["generation.repeat_penalty"].value)
-
-
-def print_config(values: dict[str, config.Value], chosen: dict[str, autoconfig.Choice]) -> None:
-    for name, value in values.items():
-        if name in chosen:
-            continue
-        print(f"{name} = {value.value!s}  # {value.origin}")
+def print_config(settings: Settings, chosen: assembly.Plan) -> None:
+    for name, value, origin in settings.origins:
+        if name not in chosen:
+            print(f"{name} = {value!s}  # {origin}")
     for name, choice in chosen.items():
         print(f"{name} = {choice.value!s}  # {choice.why}")
 
@@ -259,28 +212,28 @@ def read_prompt(prompt: str | None) -> str | None:
     return prompt
 
 
-def command_run(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
+def command_run(args: argparse.Namespace, settings: Settings) -> int:
     prompt = read_prompt(args.prompt)
-    path, entry = resolve_model(values["model.path"].value)
-    chosen = plan(values, path, entry)
+    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
+    chosen = assembly.plan(settings, path, entry)
     if args.print_config:
-        print_config(values, chosen)
+        print_config(settings, chosen)
         return EXIT_OK
     if args.serve:
-        return serve_model(values, path, entry, chosen)
-    params = sampling(values)
+        return assembly.serve_model(settings, path, entry, chosen)
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
+    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
+            assembly.new_engine(backend, settings) as engine:
         templated = backend.has_chat_template and not args.raw
         if prompt is None:
-            conversation = Conversation(engine, params, system=args.system)
+            conversation = Conversation(engine, settings.generation, system=args.system)
             return repl(conversation, line_reader(), title=entry.name if entry else path.name)
         if templated:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
-        return answer_once(engine, prompt, params, args.quiet)
+        return answer_once(engine, prompt, settings.generation, args.quiet)
 
 
 def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool) -> int:
@@ -303,120 +256,29 @@ def stats_line(finish: FinishEvent) -> str:
             f"finish {finish.reason}{note}")
 
 
-def serve_model(values: dict[str, config.Value], path: Path, entry: catalog.ModelEntry | None,
-                chosen: dict[str, autoconfig.Choice]) -> int:
-    from reame.server.serve import serve
-    settings = server_settings(values, entry.name if entry else path.stem)
-    n_seq = chosen["server.parallel"].value
-
-    model = model_settings(path, values, chosen, n_seq)
-
-    def load_engine() -> Engine:
-        backend = LlamaBackend(model)
-        facts = backend.describe()
-        log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
-                 facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
-        return new_engine(backend, values, max_queue=values["server.max_queue"].value,
-                          queue_timeout_s=values["server.queue_timeout_seconds"].value,
-                          prefill_chunk_tokens=values["server.prefill_chunk_tokens"].value).start()
-
-    sessions = Sessions(cache_root() / "sessions" / settings.model_id, model.kv_fingerprint())
-    return serve(settings, load_engine, path.name, sessions)
-
-
-def new_engine(backend: LlamaBackend, values: dict[str, config.Value], speculate: bool = True,
-               **options: Any) -> Engine:
-    """An engine over `backend` with the prefix cache and speculation the settings ask for."""
-    speculation = new_speculation(backend, values) if speculate else None
-    return Engine(backend, cache=prefix_cache(values, backend.kv_fingerprint()), speculation=speculation, **options)
-
-
-def new_speculation(backend: LlamaBackend, values: dict[str, config.Value]) -> Speculation | None:
-    """The draft sources the settings ask for, cheapest first; None when there are none."""
-    if not values["speculative.enabled"].value:
-        return None
-    sources: list[DraftSource] = []
-    if values["speculative.lookup"].value:
-        sources.append(PromptLookup(values["speculative.lookup_max_ngram"].value,
-                                    values["speculative.lookup_min_ngram"].value))
-    if values["speculative.draft_model"].value:
-        sources.append(load_draft_model(values["speculative.draft_model"].value, backend,
-                                        values["speculative.draft_min_probability"].value))
-    return Speculation(*sources, max_draft=values["speculative.max_draft_tokens"].value) if sources else None
-
-
-def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
-    """The draft model in a context shaped like the target's (threads, length, slots), with batches
-    as large as its catch-up steps."""
-    path, _ = resolve_model(name)
-    settings = dataclasses.replace(target.settings, path=str(path), n_batch=CATCH_UP_TOKENS,
-                                   n_ubatch=CATCH_UP_TOKENS)
-    draft = LlamaBackend(settings)
-    try:
-        source = DraftModel(draft, target, path.name, min_probability)
-    except BaseException:
-        draft.close()
-        raise
-    log.info("drafting with %s as well", path.name)
-    return source
-
-
-def prefix_cache(values: dict[str, config.Value], fingerprint: bytes) -> PrefixCache | None:
-    if not values["cache.enabled"].value:
-        return None
-    directory = Path(values["cache.dir"].value).expanduser() if values["cache.dir"].value else cache_root() / "kv"
-    try:
-        return PrefixCache(fingerprint, directory, disk_budget_bytes=int(values["cache.disk_mb"].value * 2**20),
-                           ram_budget_bytes=int(values["cache.ram_mb"].value * 2**20),
-                           block_tokens=values["cache.block_tokens"].value,
-                           min_new_tokens=values["cache.min_new_tokens"].value,
-                           compress=values["cache.compress"].value)
-    except OSError as error:
-        raise ConfigError(f"cannot use the prefix cache directory {directory}: {error.strerror or error}") from None
-
-
-def server_settings(values: dict[str, config.Value], default_model_id: str) -> ServerSettings:
-    keys = [key.strip() for key in values["server.api_key"].value.split(",") if key.strip()]
-    key_file = values["server.api_key_file"].value
-    if key_file:
-        try:
-            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"cannot read server.api_key_file {key_file}: {error}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    return ServerSettings(
-        host=values["server.host"].value, port=values["server.port"].value, api_keys=tuple(keys),
-        cors_origin=values["server.cors_origin"].value, max_connections=values["server.max_connections"].value,
-        max_body_bytes=int(values["server.max_request_size_mb"].value * 2**20),
-        idle_timeout_s=values["server.idle_timeout_seconds"].value,
-        request_timeout_s=values["server.request_timeout_seconds"].value,
-        grace_s=values["server.shutdown_grace_seconds"].value,
-        model_id=values["server.model_id"].value or default_model_id,
-        request_log=values["server.request_logging"].value, metrics=values["server.metrics"].value)
-
-
-def command_config_mode(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
+def command_config_mode(args: argparse.Namespace, settings: Settings) -> int:
     if args.prompt is None and not args.serve:
         log.info("nothing to do: pass --prompt TEXT or --serve")
         return EXIT_OK
-    path, entry = resolve_model(values["model.path"].value)
-    chosen = plan(values, path, entry)
+    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
+    chosen = assembly.plan(settings, path, entry)
     if args.serve:
-        return serve_model(values, path, entry, chosen)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, new_engine(backend, values) as engine:
-        return answer_once(engine, args.prompt, sampling(values), args.quiet)
+        return assembly.serve_model(settings, path, entry, chosen)
+    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
+            assembly.new_engine(backend, settings) as engine:
+        return answer_once(engine, args.prompt, settings.generation, args.quiet)
 
 
-def command_warm(args: argparse.Namespace, values: dict[str, config.Value]) -> int:
+def command_warm(args: argparse.Namespace, settings: Settings) -> int:
     """Prefill each file into the prefix cache; one line (or JSON object) per file on stdout."""
     import json
-    if not values["cache.enabled"].value:
+    if not settings.cache.enabled:
         raise ConfigError("the prefix cache is off (cache.enabled = false): warming would keep nothing")
     texts = [(name, read_prompt("-") if name == "-" else read_text_file(name)) for name in args.files]
-    path, entry = resolve_model(values["model.path"].value)
-    chosen = plan(values, path, entry)
-    with LlamaBackend(model_settings(path, values, chosen)) as backend, \
-            new_engine(backend, values, speculate=False) as engine:
+    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
+    chosen = assembly.plan(settings, path, entry)
+    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
+            assembly.new_engine(backend, settings, speculate=False) as engine:
         for name, text in texts:
             prompt = text
             if args.role == "system" and backend.has_chat_template:
@@ -470,14 +332,8 @@ def command_pull(args: argparse.Namespace) -> int:
     entry = catalog.resolve(args.model)
     if entry is None:
         raise ConfigError(f"unknown model '{args.model}'; catalog names: {', '.join(catalog.suggestions(args.model))}")
-    print(fetch.ensure_model(entry, progress=progress_stream()))
+    print(fetch.ensure_model(entry, progress=assembly.progress_stream()))
     return EXIT_OK
-
-
-def progress_stream():  # type: ignore[no-untyped-def]
-    """stderr for a download progress bar when it is a terminal and logs are on; else None."""
-    quiet = logging.getLogger("reame").level > logging.INFO
-    return sys.stderr if sys.stderr.isatty() and not quiet else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -490,15 +346,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command_list()
         if args.command == "pull":
             return command_pull(args)
-        values = load_settings(args) if args.command in ("run", "warm") or args.config else None
-        if values is not None and not quiet:
-            configure_logging(LOG_LEVELS[values["logging.level"].value])
+        settings = load_settings(args) if args.command in ("run", "warm") or args.config else None
+        if settings is not None and not quiet:
+            configure_logging(LOG_LEVELS[settings.log_level])
         if args.command == "run":
-            return command_run(args, values)
+            return command_run(args, settings)
         if args.command == "warm":
-            return command_warm(args, values)
+            return command_warm(args, settings)
         if args.config:
-            return command_config_mode(args, values)
+            return command_config_mode(args, settings)
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     except USER_ERRORS as error:

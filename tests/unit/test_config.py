@@ -130,3 +130,27 @@ def test_an_unknown_key_still_fails_and_suggests_old_and_new_names(tmp_path):
         config.load(write(tmp_path, "[cache]\ndirectori = x\n"), env={})
     with pytest.raises(ConfigError, match="unknown key 'server.nonsense'"):
         config.load(write(tmp_path, "[server]\nnonsense = 1\n"), env={})
+
+
+def test_settings_are_typed_frozen_and_built_once_from_the_values(tmp_path):
+    import dataclasses
+
+    from reame.settings import from_values
+    keys = tmp_path / "keys"
+    keys.write_text("# one per line\nkey-two\n")
+    path = write(tmp_path, f"[server]\napi_key = key-one\napi_key_file = {keys}\nmax_request_size_mb = 2\n"
+                           "[cache]\ndisk_mb = 3\n[generation]\ntemperature = 0\n")
+    settings = from_values(config.load(path, env={}))
+    assert settings.server.api_keys == ("key-one", "key-two")
+    assert settings.server.max_body_bytes == 2 << 20 and settings.cache.disk_budget_bytes == 3 << 20
+    assert settings.generation.greedy and settings.generation.top_k == 40
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.server.port = 1
+    assert ("server.api_key", "key-one", f"{path}:2") in settings.origins
+
+
+def test_an_unreadable_key_file_is_a_config_error(tmp_path):
+    from reame.settings import from_values
+    path = write(tmp_path, f"[server]\napi_key_file = {tmp_path / 'missing'}\n")
+    with pytest.raises(ConfigError, match="cannot read server.api_key_file"):
+        from_values(config.load(path, env={}))

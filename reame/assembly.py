@@ -1,0 +1,150 @@
+"""Typed settings -> the running parts: model file, backend, engine, prefix cache, speculation, server.
+
+The one place that knows how the parts fit together, so the CLI only parses
+arguments and prints, and each part only takes what it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from reame import autoconfig, catalog, fetch
+from reame.cache import PrefixCache
+from reame.engine import Engine
+from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.errors import ConfigError, ModelFileError
+from reame.native import cache_root
+from reame.server.http import ServerSettings
+from reame.server.sessions import Sessions
+from reame.settings import Settings
+from reame.speculative import DraftSource, PromptLookup, Speculation
+from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
+
+log = logging.getLogger("reame")
+
+Plan = dict[str, autoconfig.Choice]
+
+
+def resolve_model(name: str, progress: TextIO | None = None) -> tuple[Path, catalog.ModelEntry | None]:
+    """A catalog name (fetched on first use) or an existing file."""
+    if not name:
+        raise ConfigError("no model given: name one (see `reame list`) or set model.path in the config file")
+    entry = catalog.resolve(name)
+    if entry is not None:
+        return fetch.ensure_model(entry, progress=progress), entry
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path, catalog.by_filename(path.name)
+    if path.exists():
+        raise ModelFileError(f"model path is not a file: {name}")
+    hint = ", ".join(catalog.suggestions(name))
+    raise ConfigError(f"unknown model '{name}' and no such file (relative paths start from the working "
+                      f"directory); catalog names: {hint}")
+
+
+def plan(settings: Settings, path: Path, entry: catalog.ModelEntry | None) -> Plan:
+    """What autoconfig chooses for the settings left at 0/auto, for this host and model (with reasons)."""
+    model = settings.model
+    return autoconfig.choose(
+        path, autoconfig.probe_host(), threads=model.threads, context=model.context_length,
+        kv_type=settings.memory.kv_cache_type, batch=model.batch, ubatch=model.ubatch,
+        preferred_context=entry.default_ctx if entry else 0, parallel=settings.server.parallel)
+
+
+def model_settings(path: Path, settings: Settings, chosen: Plan, n_seq: int = 1) -> ModelSettings:
+    return ModelSettings(
+        str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
+        n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
+        kv_type=chosen["memory.kv_cache_type"].value, use_mmap=settings.memory.use_mmap,
+        use_mlock=settings.memory.use_mlock, chat_template=settings.model.chat_template,
+        embedding_ctx=settings.embeddings.context_length, embedding_pooling=settings.embeddings.pooling)
+
+
+def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False) -> Engine:
+    """An engine over `backend` with the prefix cache and speculation the settings ask for; `serving`:
+    with the server's queue limits."""
+    server = settings.server
+    limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
+                                  prefill_chunk_tokens=server.prefill_chunk_tokens) if serving else {}
+    speculation = new_speculation(backend, settings) if speculate else None
+    return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation, **limits)
+
+
+def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | None:
+    """The draft sources the settings ask for, cheapest first; None when there are none."""
+    options = settings.speculative
+    if not options.enabled:
+        return None
+    sources: list[DraftSource] = []
+    if options.lookup:
+        sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
+    if options.draft_model:
+        sources.append(load_draft_model(options.draft_model, backend, options.draft_min_probability))
+    return Speculation(*sources, max_draft=options.max_draft_tokens) if sources else None
+
+
+def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
+    """The draft model in a context shaped like the target's (threads, length, slots), with batches
+    as large as its catch-up steps."""
+    path, _ = resolve_model(name)
+    settings = dataclasses.replace(target.settings, path=str(path), n_batch=CATCH_UP_TOKENS,
+                                   n_ubatch=CATCH_UP_TOKENS)
+    draft = LlamaBackend(settings)
+    try:
+        source = DraftModel(draft, target, path.name, min_probability)
+    except BaseException:
+        draft.close()
+        raise
+    log.info("drafting with %s as well", path.name)
+    return source
+
+
+def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
+    options = settings.cache
+    if not options.enabled:
+        return None
+    try:
+        return PrefixCache(fingerprint, options.directory, disk_budget_bytes=options.disk_budget_bytes,
+                           ram_budget_bytes=options.ram_budget_bytes, block_tokens=options.block_tokens,
+                           min_new_tokens=options.min_new_tokens, compress=options.compress)
+    except OSError as error:
+        raise ConfigError(f"cannot use the prefix cache directory {options.directory}: "
+                          f"{error.strerror or error}") from None
+
+
+def server_settings(settings: Settings, default_model_id: str) -> ServerSettings:
+    server = settings.server
+    return ServerSettings(
+        host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
+        max_connections=server.max_connections, max_body_bytes=server.max_body_bytes,
+        idle_timeout_s=server.idle_timeout_s, request_timeout_s=server.request_timeout_s,
+        grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
+        request_log=server.request_logging, metrics=server.metrics)
+
+
+def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
+    """Listen, load the model, serve until a signal (server/serve.py)."""
+    from reame.server.serve import serve
+    http = server_settings(settings, entry.name if entry else path.stem)
+    n_seq = chosen["server.parallel"].value
+    model = model_settings(path, settings, chosen, n_seq)
+
+    def load_engine() -> Engine:
+        backend = LlamaBackend(model)
+        facts = backend.describe()
+        log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
+                 facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
+        return new_engine(backend, settings, serving=True).start()
+
+    sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint())
+    return serve(http, load_engine, path.name, sessions)
+
+
+def progress_stream() -> TextIO | None:
+    """stderr for a download progress bar when it is a terminal and logs are on; else None."""
+    quiet = logging.getLogger("reame").level > logging.INFO
+    return sys.stderr if sys.stderr.isatty() and not quiet else None

@@ -1,0 +1,150 @@
+"""Typed, frozen settings, built once from the loaded config values (config.py).
+
+config.py reads and validates every key with its origin; this module turns
+them into one immutable object per section, so the rest of the program reads
+`settings.server.port`, never `values["server.port"].value`, and a setting
+cannot change under a thread that read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from reame.config import Value
+from reame.engine import SamplingParams
+from reame.errors import ConfigError
+from reame.native import cache_root
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    path: str
+    context_length: int  # 0: chosen
+    threads: int  # 0: chosen
+    batch: int  # 0: chosen
+    ubatch: int  # 0: chosen
+    chat_template: str
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    use_mmap: bool
+    use_mlock: bool
+    kv_cache_type: str  # auto: chosen
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str
+    port: int
+    api_keys: tuple[str, ...]
+    cors_origin: str
+    max_connections: int
+    max_body_bytes: int
+    idle_timeout_s: float
+    request_timeout_s: float
+    shutdown_grace_s: float
+    model_id: str  # "": the model's name
+    parallel: int  # 0: chosen
+    prefill_chunk_tokens: int
+    max_queue: int
+    queue_timeout_s: float
+    request_logging: bool
+    metrics: bool
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    enabled: bool
+    directory: Path
+    disk_budget_bytes: int
+    ram_budget_bytes: int
+    min_new_tokens: int
+    block_tokens: int
+    compress: bool
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    enabled: bool
+    lookup: bool
+    draft_model: str
+    draft_min_probability: float
+    max_draft_tokens: int
+    lookup_max_ngram: int
+    lookup_min_ngram: int
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    context_length: int
+    pooling: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every section; `origins` says where each key's value came from (for --print-config)."""
+
+    log_level: str
+    model: ModelOptions
+    memory: MemoryOptions
+    server: ServerOptions
+    cache: CacheOptions
+    speculative: SpeculativeOptions
+    embeddings: EmbeddingOptions
+    generation: SamplingParams  # the CLI's defaults; API requests carry their own
+    origins: tuple[tuple[str, object, str], ...]  # (key, value, origin)
+
+
+def from_values(values: dict[str, Value]) -> Settings:
+    """The typed settings; ConfigError for what only makes sense together (an unreadable key file)."""
+    def get(name: str):  # type: ignore[no-untyped-def]
+        return values[name].value
+
+    cache_dir = get("cache.dir")
+    return Settings(
+        log_level=get("logging.level"),
+        model=ModelOptions(get("model.path"), get("model.context_length"), get("model.threads"), get("model.batch"),
+                           get("model.ubatch"), get("model.chat_template")),
+        memory=MemoryOptions(get("memory.use_mmap"), get("memory.use_mlock"), get("memory.kv_cache_type")),
+        server=ServerOptions(
+            host=get("server.host"), port=get("server.port"),
+            api_keys=api_keys(get("server.api_key"), get("server.api_key_file")),
+            cors_origin=get("server.cors_origin"), max_connections=get("server.max_connections"),
+            max_body_bytes=int(get("server.max_request_size_mb") * 2**20),
+            idle_timeout_s=get("server.idle_timeout_seconds"), request_timeout_s=get("server.request_timeout_seconds"),
+            shutdown_grace_s=get("server.shutdown_grace_seconds"), model_id=get("server.model_id"),
+            parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
+            max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),
+            request_logging=get("server.request_logging"), metrics=get("server.metrics")),
+        cache=CacheOptions(
+            enabled=get("cache.enabled"),
+            directory=Path(cache_dir).expanduser() if cache_dir else cache_root() / "kv",
+            disk_budget_bytes=int(get("cache.disk_mb") * 2**20), ram_budget_bytes=int(get("cache.ram_mb") * 2**20),
+            min_new_tokens=get("cache.min_new_tokens"), block_tokens=get("cache.block_tokens"),
+            compress=get("cache.compress")),
+        speculative=SpeculativeOptions(
+            enabled=get("speculative.enabled"), lookup=get("speculative.lookup"),
+            draft_model=get("speculative.draft_model"),
+            draft_min_probability=get("speculative.draft_min_probability"),
+            max_draft_tokens=get("speculative.max_draft_tokens"),
+            lookup_max_ngram=get("speculative.lookup_max_ngram"), lookup_min_ngram=get("speculative.lookup_min_ngram")),
+        embeddings=EmbeddingOptions(get("embeddings.context_length"), get("embeddings.pooling")),
+        generation=SamplingParams(
+            max_tokens=get("generation.max_tokens"), temperature=get("generation.temperature"),
+            seed=get("generation.seed"), top_k=get("generation.top_k"), top_p=get("generation.top_p"),
+            min_p=get("generation.min_p"), repeat_penalty=get("generation.repeat_penalty")),
+        origins=tuple((name, value.value, value.origin) for name, value in values.items()))
+
+
+def api_keys(listed: str, key_file: str) -> tuple[str, ...]:
+    """The bearer keys: comma-separated in server.api_key, plus one per line in server.api_key_file."""
+    keys = [key.strip() for key in listed.split(",") if key.strip()]
+    if key_file:
+        try:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read server.api_key_file {key_file}: {error}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(keys)
