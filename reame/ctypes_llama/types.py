@@ -121,27 +121,6 @@ LLAMA_CONTEXT_TYPE_MTP = 1
 c_enum = ctypes.c_int
 
 
-# typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
-class llama_token_data(Structure):
-    _fields_ = [
-        ("id", llama_token),
-        ("logit", c_float),
-        ("p", c_float),
-    ]
-
-
-# typedef struct llama_token_data_array {
-#     llama_token_data * data; size_t size; int64_t selected; bool sorted;
-# } llama_token_data_array;
-class llama_token_data_array(Structure):
-    _fields_ = [
-        ("data", POINTER(llama_token_data)),
-        ("size", c_size_t),
-        ("selected", c_int64),
-        ("sorted", c_bool),
-    ]
-
-
 # typedef bool (*llama_progress_callback)(float progress, void * user_data);
 llama_progress_callback = ctypes.CFUNCTYPE(c_bool, c_float, c_void_p)
 
@@ -305,28 +284,6 @@ class llama_chat_message(Structure):
 ggml_log_callback = ctypes.CFUNCTYPE(None, c_enum, c_char_p, c_void_p)
 
 
-# struct llama_perf_context_data { double t_start_ms, t_load_ms, t_p_eval_ms, t_eval_ms;
-#                                  int32_t n_p_eval, n_eval, n_reused; };
-class llama_perf_context_data(Structure):
-    _fields_ = [
-        ("t_start_ms", c_double),
-        ("t_load_ms", c_double),
-        ("t_p_eval_ms", c_double),
-        ("t_eval_ms", c_double),
-        ("n_p_eval", c_int32),
-        ("n_eval", c_int32),
-        ("n_reused", c_int32),
-    ]
-
-
-# struct llama_perf_sampler_data { double t_sample_ms; int32_t n_sample; };
-class llama_perf_sampler_data(Structure):
-    _fields_ = [
-        ("t_sample_ms", c_double),
-        ("n_sample", c_int32),
-    ]
-
-
 # ggml.h: #define GGML_MAX_N_THREADS 512; enum ggml_backend_dev_type (ggml-backend.h)
 GGML_MAX_N_THREADS = 512
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
@@ -354,8 +311,6 @@ ggml_threadpool_free_t = ctypes.CFUNCTYPE(None, c_void_p)
 
 # Every struct bound above, for the layout test.
 BOUND_STRUCTS: tuple[type[Structure], ...] = (
-    llama_token_data,
-    llama_token_data_array,
     llama_batch,
     llama_model_kv_override,
     llama_model_tensor_buft_override,
@@ -365,7 +320,5 @@ BOUND_STRUCTS: tuple[type[Structure], ...] = (
     llama_logit_bias,
     llama_sampler_chain_params,
     llama_chat_message,
-    llama_perf_context_data,
-    llama_perf_sampler_data,
     ggml_threadpool_params,
 )

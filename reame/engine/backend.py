@@ -351,6 +351,8 @@ class LlamaBackend:
         Returns the pool (freed in close), or None when the CPU backend offers none.
         """
         api = self._api
+        if not api.available("ggml_backend_reg_get_proc_address"):
+            return None
         device = api.ggml_backend_dev_by_type(t.GGML_BACKEND_DEVICE_TYPE_CPU)
         registry = api.ggml_backend_dev_backend_reg(device) if device else None
         make = api.ggml_backend_reg_get_proc_address(registry, b"ggml_threadpool_new") if registry else None

@@ -53,3 +53,27 @@ def test_machine_names_are_the_bundles(monkeypatch, reported, expected):
     from reame import native
     monkeypatch.setattr(native.platform, "machine", lambda: reported)
     assert native.machine() == expected
+
+
+def test_a_library_without_an_optional_symbol_loads_and_only_that_feature_fails(monkeypatch):
+    from reame.ctypes_llama import api
+
+    class Library:
+        def __getattr__(self, name):
+            if name == "llama_get_embeddings_seq":
+                raise AttributeError(name)
+            return type("Function", (), {"argtypes": None, "restype": None})()
+
+    monkeypatch.setattr(api._lib, "load_libraries", lambda: Library())
+    monkeypatch.setattr(api, "_bound", False)
+    monkeypatch.setattr(api, "_missing", set())
+    for name in api.declared_names():  # the fake bindings are undone after the test
+        monkeypatch.setitem(vars(api), name, vars(api).get(name))
+    api.load()
+    assert not api.available("llama_get_embeddings_seq") and api.available("llama_decode")
+    with pytest.raises(ModelError, match="lacks llama_get_embeddings_seq, which embeddings needs"):
+        api.llama_get_embeddings_seq(None, 0)
+    monkeypatch.setattr(api, "_bound", False)
+    monkeypatch.setattr(Library, "__getattr__", lambda self, name: (_ for _ in ()).throw(AttributeError(name)))
+    with pytest.raises(ModelError, match="lacks llama_model_default_params: it is not the pinned build"):
+        api.load()
