@@ -8,6 +8,7 @@ import pytest
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
 from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
 from reame.errors import EngineUnavailable, ModelError, RequestError
+from tests.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
 PROMPTS = ["hello world", "abc", "the quick brown fox", "x", "zzz top", "one two three"]
@@ -356,11 +357,12 @@ def test_a_full_queue_is_refused_and_a_long_wait_times_out():
     engine = Engine(FakeBackend(rule=gated_rule(gate)), max_queue=1, queue_timeout_s=0.2).start()
     try:
         running = engine.submit(GenerationRequest("a", SamplingParams(temperature=0, max_tokens=3)))
-        time.sleep(0.1)  # admitted, blocked inside decode
+        wait_until(lambda: engine.load() == (0, 1), what="the first request to be admitted (blocked in decode)")
         waiting = engine.submit(GenerationRequest("b", GREEDY))
         with pytest.raises(OverloadedError):
             engine.submit(GenerationRequest("c", GREEDY))
-        time.sleep(0.3)
+        wait_until(lambda: time.monotonic() - waiting.submitted_at > engine.queue_timeout_s,
+                   what="the waiting request to outlive the queue timeout")
         gate.set()
         assert waiting.result(timeout_s=5).finish.reason == "timeout"
         assert running.result(timeout_s=5).finish.reason == "length"

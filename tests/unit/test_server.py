@@ -13,6 +13,7 @@ from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import N_VOCAB, FakeBackend, gated_rule
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.openai_api import App
+from tests.waiting import wait_until
 
 
 class Live:
@@ -462,12 +463,9 @@ def test_a_client_that_disconnects_cancels_its_generation(engine):
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
             body = json.dumps({"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": stream}).encode()
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            time.sleep(0.3)
+            wait_until(lambda: engine.load()[1] == 1, what="the generation to start")
             sock.close()
-            deadline = time.monotonic() + 5
-            while engine.load() != (0, 0) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert engine.load() == (0, 0), "the generation kept running after the client left"
+            wait_until(lambda: engine.load() == (0, 0), what="the generation to stop after the client left")
             assert all(backend.kv_tokens(seq) == [] for seq in range(4))
     finally:
         backend.rule = original
@@ -486,17 +484,28 @@ def test_too_many_connections_get_503(engine):
         server.close()
 
 
-def test_graceful_drain_lets_a_running_request_finish(engine):
+def test_graceful_drain_lets_a_running_request_finish():
+    gate = threading.Event()
+    engine = Engine(FakeBackend(rule=gated_rule(gate))).start()
     server = Live(engine)
     results = []
     thread = threading.Thread(target=lambda: results.append(server.json(
         "POST", "/v1/completions", {"prompt": "x", "max_tokens": 40, "temperature": 0, "ignore_eos": True})))
-    thread.start()
-    time.sleep(0.05)
-    server.server.shutdown()
-    assert server.server.drain(10)
-    thread.join(10)
-    server.server.server_close()
+    try:
+        thread.start()
+        wait_until(lambda: engine.load()[1] == 1, what="the request to be running")
+        server.server.shutdown()
+        drained = []
+        drain = threading.Thread(target=lambda: drained.append(server.server.drain(10)))
+        drain.start()
+        gate.set()
+        drain.join(10)
+        thread.join(10)
+        server.server.server_close()
+    finally:
+        gate.set()
+        engine.close()
+    assert drained == [True]
     assert results and results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 40
 
 
@@ -623,11 +632,11 @@ def test_a_full_queue_is_429_and_a_queue_timeout_is_503():
         first = threading.Thread(target=lambda: results.setdefault("running", server.json(
             "POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})))
         first.start()
-        time.sleep(0.2)
+        wait_until(lambda: engine.load() == (0, 1), what="the first request to be admitted (blocked in decode)")
         second = threading.Thread(target=lambda: results.setdefault("waiting", server.json(
             "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2})))
         second.start()
-        time.sleep(0.1)
+        wait_until(lambda: engine.load()[0] == 1, what="the second request to wait for a slot")
         status, body = server.json("POST", "/v1/completions", {"prompt": "c", "max_tokens": 2})
         assert status == 429 and body["error"]["code"] == "queue_full"
         second.join(5)

@@ -38,9 +38,10 @@ class FrozenCost(CostModel):
         return [1.0 + self.per_token * (n - 1) for n in range(first, last + 1)]
 
 
-def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule):
-    backend = FakeBackend(n_ctx=4096, n_seq_max=n_seq_max, n_batch=256, rule=rule)
-    with Engine(backend, speculation=speculation) as engine:
+def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule, engine_class=Engine,
+             backend_class=FakeBackend):
+    backend = backend_class(n_ctx=4096, n_seq_max=n_seq_max, n_batch=256, rule=rule)
+    with engine_class(backend, speculation=speculation) as engine:
         result = engine.generate(GenerationRequest(prompt, params))
     return result, backend
 
@@ -142,34 +143,68 @@ class AlwaysDraft:
         pass
 
 
-def test_sampled_output_follows_the_models_distribution_exactly():
-    """Chi-square goodness of fit of 6,000 speculated draws against p, with a fixed seed."""
-    p = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
-    speculation = Speculation(AlwaysDraft(ord("c")), max_draft=4, cost=FrozenCost())
-    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=2000, ignore_eos=True)
-    counts = Counter()
-    drafted = accepted = 0
+P = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
+CHI_SQUARE_P001 = 13.8  # 2 degrees of freedom, p = 0.001
+
+
+def speculated_draws(speculation, **engine):
+    """6,000 draws with temperature 1 from the fixed distribution P, c always drafted: counts and
+    (drafted, accepted)."""
+    params = SamplingParams(temperature=1.0, max_tokens=2000, ignore_eos=True)
+    counts, drafted, accepted = Counter(), 0, 0
     for seed in range(3):
         result, _ = generate("x", SamplingParams(**{**params.__dict__, "seed": seed}), speculation,
-                             rule=fixed_distribution_rule(p))
+                             rule=fixed_distribution_rule(P), **engine)
         counts.update(result.tokens)
         drafted += result.finish.usage.draft_tokens
         accepted += result.finish.usage.accepted_draft_tokens
+    return counts, drafted, accepted
+
+
+def chi_square(counts):
     total = sum(counts.values())
-    chi_square = sum((counts[token] - total * share) ** 2 / (total * share) for token, share in p.items())
-    assert set(counts) == set(p) and total == 6000
-    assert chi_square < 13.8, f"chi-square {chi_square:.1f} (2 degrees of freedom, p = 0.001): {counts}"
+    return sum((counts[token] - total * share) ** 2 / (total * share) for token, share in P.items())
+
+
+def test_sampled_output_follows_the_models_distribution_exactly():
+    """Chi-square goodness of fit of 6,000 speculated draws against p, with a fixed seed."""
+    speculation = Speculation(AlwaysDraft(ord("c")), max_draft=4, cost=FrozenCost())
+    counts, drafted, accepted = speculated_draws(speculation)
+    assert set(counts) == set(P) and sum(counts.values()) == 6000
+    assert chi_square(counts) < CHI_SQUARE_P001, f"chi-square {chi_square(counts):.1f}: {counts}"
     first = speculation.stats.snapshot()
     assert drafted > 3000 and accepted > 300
     assert 0.17 < first.accepted_at[1] / first.drafted_at[1] < 0.23, "a first draft of c passes with p(c)"
 
 
-def test_sampled_output_with_speculation_always_accepting_would_fail_the_same_test():
-    """The test above has teeth: a verifier that keeps every draft shows c far too often."""
-    biased = Counter({ord("a"): 2000, ord("b"): 1200, ord("c"): 2800})
-    p = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
-    chi_square = sum((biased[t] - 6000 * s) ** 2 / (6000 * s) for t, s in p.items())
-    assert chi_square > 13.8
+class ForcingBackend(FakeBackend):
+    """Samples as usual, except that the rows listed in `forced` come out as the token given there."""
+
+    forced: dict[int, int] = {}
+
+    def sample(self, sampler, index):
+        token = super().sample(sampler, index)
+        return self.forced.get(index, token)
+
+
+class AcceptEverything(Engine):
+    """A broken verifier: every draft is kept, whatever the model would have drawn."""
+
+    def _verify(self, running, index, drafts, drafting):
+        self.backend.forced = {index + row: token for row, token in enumerate(drafts)}
+        try:
+            super()._verify(running, index, drafts, drafting)
+        finally:
+            self.backend.forced = {}
+
+
+def test_the_same_test_fails_a_verifier_that_accepts_every_draft():
+    """The test above has teeth: run through a verifier that keeps every draft, c shows far too often."""
+    speculation = Speculation(AlwaysDraft(ord("c")), max_draft=4, cost=FrozenCost())
+    counts, drafted, accepted = speculated_draws(speculation, engine_class=AcceptEverything,
+                                                 backend_class=ForcingBackend)
+    assert accepted == drafted > 3000
+    assert counts[ord("c")] > 2 * 0.2 * 6000 and chi_square(counts) > 100 * CHI_SQUARE_P001
 
 
 def test_the_controller_switches_off_for_useless_drafts_and_back_on_when_they_pay():
