@@ -1,0 +1,177 @@
+"""Fuzzing every parser of outside input with hypothesis: HTTP request lines and headers, JSON bodies
+(type confusion in every field, huge numbers, deep nesting, invalid UTF-8), the config file, cache
+snapshot and session files, GGUF headers. Bad input gets its error: never a crash, never a 500."""
+
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from reame import config, gguf
+from reame.cache.store import Snapshot, decode, encode
+from reame.engine import Engine
+from reame.engine.fake import FakeBackend
+from reame.errors import CacheError, ConfigError, ModelFileError
+from reame.server.sessions import SessionError, Sessions
+
+from .test_gguf import GOOD as GOOD_GGUF
+from .test_server import Live
+
+# 150 examples per test in CI; REAME_FUZZ_EXAMPLES=100000 for a long run.
+FUZZ = settings(max_examples=int(os.environ.get("REAME_FUZZ_EXAMPLES", "150")), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Engine(FakeBackend(n_ctx=512, n_seq_max=2)) as engine:
+        live = Live(engine, idle_timeout_s=2, request_timeout_s=2, max_body_bytes=64 << 10)
+        yield live
+        live.close()
+
+
+def exchange(port: int, data: bytes) -> bytes:
+    """Send raw bytes, half-close, read everything the server answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def statuses(reply: bytes) -> list[int]:
+    return [int(line.split(b" ")[1]) for line in reply.split(b"\r\n") if line.startswith(b"HTTP/1.") and
+            len(line.split(b" ")) > 1 and line.split(b" ")[1].isdigit()]
+
+
+TOKENS = st.sampled_from([b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"HEAD", b"BREW", b"/v1/completions",
+                          b"/v1/chat/completions", b"/v1/embeddings", b"/health", b"/v1/sessions/x/save", b"/%00",
+                          b"HTTP/1.1", b"HTTP/1.0", b"HTTP/9.9", b" ", b"\r\n", b"\n", b":", b"Content-Length",
+                          b"Transfer-Encoding", b"chunked", b"-1", b"99999999999999999999", b"0", b"5", b"{",
+                          b"\xff\xfe", b"\x00", b"Host", b"Authorization: Bearer x"])
+REQUESTS = st.lists(st.one_of(TOKENS, st.binary(max_size=40)), max_size=40).map(b"".join)
+
+
+@FUZZ
+@given(request=REQUESTS)
+def test_any_bytes_get_an_http_answer_or_a_clean_close_never_a_500(server, request):
+    for status in statuses(exchange(server.port, request)):
+        assert status < 500 or status in (501, 503), status
+    assert server.json("GET", "/health")[0] == 200
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) |
+                    st.floats(allow_nan=False) | st.text(max_size=30),
+                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children,
+                                                                                       max_size=4),
+                    max_leaves=12)
+FIELDS = {
+    "/v1/completions": ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
+                        "echo", "stream", "stream_options", "logit_bias", "suffix", "best_of", "presence_penalty",
+                        "frequency_penalty", "min_p", "repeat_penalty", "ignore_eos", "model", "session"],
+    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", "temperature", "n", "stop", "tools",
+                             "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "response_format",
+                             "stream", "seed", "model", "session"],
+    "/v1/embeddings": ["input", "encoding_format", "dimensions", "model"],
+    "/v1/warm": ["prompt", "messages"],
+    "/tokenize": ["content", "add_special"],
+    "/detokenize": ["tokens"],
+}
+VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+         "/v1/embeddings": {"input": "hi"}, "/v1/warm": {"prompt": "hi"}, "/tokenize": {"content": "hi"},
+         "/detokenize": {"tokens": [104, 105]}}
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(FIELDS)), data=st.data())
+def test_type_confusion_in_any_field_is_a_400_naming_it_never_a_500(server, path, data):
+    field = data.draw(st.sampled_from(FIELDS[path]))
+    body = dict(VALID[path], **{field: data.draw(JSON)})
+    if field in ("n", "max_tokens", "max_completion_tokens") and isinstance(body[field], int):
+        assume(body[field] < 64)  # valid and huge: a long but correct generation, not what this test is about
+    status, answer = server.json("POST", path, body)
+    assert status in (200, 400, 404, 413), (status, answer)
+    if status == 400:
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=200), st.integers(1, 5000).map(lambda n: b"[" * n + b"]" * n),
+                     st.integers(1, 400).map(lambda n: b'{"prompt": ' * n + b"1" + b"}" * n),
+                     st.text(max_size=50).map(lambda t: b'{"prompt": "' + t.encode("utf-8") + b'\xff\xfe"}')))
+def test_malformed_and_deep_json_bodies_are_400(server, raw):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+        response, data = server.request("POST", path, raw=raw, headers={"Content-Type": "application/json"})
+        if response.status != 200:
+            assert response.status == 400 and json.loads(data)["error"]["code"] in (
+                "invalid_json", "invalid_type", "invalid_value", "bad_request"), data
+
+
+@FUZZ
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=300) |
+       st.lists(st.sampled_from(["[model]", "[server]", "threads = ", "port = 99999", "= x", "[", "x", "# c",
+                                 " ; ", '"', "cache.directory = ", "[speculative]\nmode = lookup", "\n", "a=b",
+                                 "context_length = -1", "kv_cache_type = q8_0", "[a.b]\nc = d"]),
+                max_size=30).map("".join))
+def test_the_config_parser_fails_only_with_a_config_error(text):
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "fuzz.conf"
+        path.write_text(text, encoding="utf-8")
+        try:
+            config.load(path, env={})
+        except ConfigError as error:
+            assert "\n" not in str(error)
+
+
+VALID_SNAPSHOT = encode(b"f" * 32, Snapshot((1, 2, 3), b"\x07" * 5000), compress=True)
+
+
+def mutated(valid: bytes):
+    return st.one_of(
+        st.binary(max_size=300),
+        st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)).map(
+            lambda change: valid[:change[0]] + bytes([change[1]]) + valid[change[0] + 1:]),
+        st.integers(0, len(valid)).map(lambda end: valid[:end]),
+        st.binary(min_size=1, max_size=50).map(lambda extra: valid + extra))
+
+
+@FUZZ
+@given(data=mutated(VALID_SNAPSHOT))
+def test_a_damaged_snapshot_fails_only_with_a_cache_error(data):
+    try:
+        decode(data, b"f" * 32)
+    except CacheError:
+        pass
+
+
+@FUZZ
+@given(data=mutated(VALID_SNAPSHOT))
+def test_a_damaged_session_file_fails_only_with_a_session_error(data):
+    with tempfile.TemporaryDirectory() as directory:
+        sessions = Sessions(Path(directory), b"model")
+        path = sessions.path("fuzzed")
+        path.write_bytes(data)
+        try:
+            sessions.load("fuzzed")
+        except SessionError as error:
+            assert error.status in (404, 409)
+
+
+@FUZZ
+@given(data=mutated(GOOD_GGUF))
+def test_a_damaged_gguf_header_fails_only_with_a_model_file_error(data):
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "fuzz.gguf"
+        path.write_bytes(data)
+        try:
+            gguf.read_metadata(path)
+        except ModelFileError as error:
+            assert "\n" not in str(error)
