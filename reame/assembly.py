@@ -111,9 +111,10 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
         return PrefixCache(fingerprint, options.directory, disk_budget_bytes=options.disk_budget_bytes,
                            ram_budget_bytes=options.ram_budget_bytes, block_tokens=options.block_tokens,
                            min_new_tokens=options.min_new_tokens, compress=options.compress)
-    except OSError as error:
-        raise ConfigError(f"cannot use the prefix cache directory {options.directory}: "
-                          f"{error.strerror or error}") from None
+    except OSError as error:  # a cache is a speed-up: without its directory, serve on without it
+        log.warning("the prefix cache is off: cannot use its directory %s (%s); set cache.dir to a writable "
+                    "directory", options.directory, error.strerror or error)
+        return None
 
 
 def server_settings(settings: Settings, default_model_id: str) -> ServerSettings:

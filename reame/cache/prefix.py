@@ -45,7 +45,8 @@ STATS = {
     "corrupt_dropped": "damaged snapshot files found and removed",
     "unreadable_skipped": "compressed snapshot files skipped: this Python has no zstandard",
     "restore_failed": "snapshots this context could not restore",
-    "writes_skipped": "snapshots not written (disk busy, full or too small a budget)",
+    "writes_skipped": "snapshots not written (writer queue full or a snapshot over the disk budget)",
+    "write_errors": "snapshots the disk refused (full or read-only): the server goes on without them",
 }
 GAUGES = {
     "snapshots": "snapshots known (RAM and disk)",
@@ -287,8 +288,8 @@ class PrefixCache:
             try:
                 if snapshot is None:
                     self._disk.remove(name)
-                elif not self._disk.write(name, snapshot, pause):
-                    self._add("writes_skipped", 1)
+                else:
+                    self._disk.write(name, snapshot, pause)  # counts what it could not write
             except Exception:  # a failing disk loses a snapshot, never the writer
                 log.exception("KV snapshot write failed")
 

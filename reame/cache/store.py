@@ -190,8 +190,10 @@ class DiskStore:
         self._seen: set[str] = set()  # every file name looked at, ours or not
         self._scanned_mtime = -1
         self._lock = threading.RLock()  # guards entries, _seen and _scanned_mtime
+        self._refused = False  # the last write failed (full or read-only disk): said once
         directory.mkdir(parents=True, exist_ok=True)
         with self._locked():
+            self._remove_abandoned_writes()
             self._enforce_budget()
         self.refresh()
 
@@ -264,14 +266,23 @@ class DiskStore:
         parts = encode_parts(self.fingerprint, snapshot, self.compress)
         size = sum(len(part) for part in parts) + TRAILER.size
         if size > self.budget_bytes:
+            self._count("writes_skipped", 1)
             return False
         try:
             with self._locked():
                 write_atomically(self.path(name), parts, pause)
                 self._enforce_budget()
         except OSError as error:
-            log.warning("cannot write KV snapshot %s: %s", name, error.strerror or error)
+            self._count("write_errors", 1)
+            if not self._refused:  # said once, not for every snapshot while the disk stays full
+                log.warning("cannot write KV snapshots to %s (%s): serving on, with what is in RAM and on disk "
+                            "already; reame_prefix_cache_write_errors_total counts the snapshots lost",
+                            self.directory, error.strerror or error)
+            self._refused = True
             return False
+        if self._refused:
+            log.info("writing KV snapshots to %s again", self.directory)
+            self._refused = False
         with self._lock:
             self.entries[name] = snapshot.tokens
         self._count("bytes_written", size)
@@ -316,6 +327,15 @@ class DiskStore:
         self.path(name).unlink(missing_ok=True)
         self._count("corrupt_dropped", 1)
 
+    def _remove_abandoned_writes(self) -> None:
+        """Temporary files of writers that died mid-write (kill -9, power loss) never become snapshots:
+        remove those whose process is gone (lock held, so no live writer of this directory is mid-rename)."""
+        for entry in os.scandir(self.directory):
+            parts = entry.name.split(".")
+            if entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 5 and parts[-3].isdigit():
+                if not _process_alive(int(parts[-3])):
+                    Path(entry.path).unlink(missing_ok=True)
+
     def _enforce_budget(self) -> None:
         """Delete the least recently used files until the directory fits its budget (lock held)."""
         files = []
@@ -336,6 +356,16 @@ class DiskStore:
 
     def _locked(self) -> _FileLock:
         return _FileLock(self.directory / LOCK_NAME)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _FileLock:

@@ -18,7 +18,8 @@ from tests.waiting import wait_until
 
 class Live:
     def __init__(self, engine: Engine | None, **settings) -> None:
-        self.settings = ServerSettings(port=0, request_log=False, **settings)
+        settings.setdefault("request_log", False)
+        self.settings = ServerSettings(port=0, **settings)
         self.app = App(self.settings)
         self.app.engine = engine
         self.server = ReameHTTPServer(self.settings, self.app)
