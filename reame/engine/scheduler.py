@@ -80,6 +80,8 @@ class EngineStatus:
     waiting: int = 0  # admitted to the queue, not yet to a slot
     running: int = 0  # requests holding a slot
     idle_prefixes: tuple[tuple[int, ...], ...] = ()  # what each idle slot's KV holds
+    kv_recorded: int = 0  # KV cells the slots' records account for (idle caches and running requests)
+    kv_in_memory: int = 0  # KV cells the model's memory holds: more than recorded would be a leak
     dead: str = ""  # why the engine stopped working, once it has
 
 
@@ -370,7 +372,10 @@ class Engine:
     def _publish(self) -> None:
         """Swap in a fresh status (one assignment: readers get all of it or the previous one)."""
         idle = tuple(tuple(slot.held) for slot in self._slots if slot.running is None)
-        self.status = EngineStatus(len(self._waiting), len(self._running), idle, self.status.dead)
+        recorded = sum(map(len, idle)) + sum(running.n_fed for running in self._running)
+        in_memory = sum(self.backend.seq_pos_max(slot.seq_id) + 1 for slot in self._slots)
+        self.status = EngineStatus(len(self._waiting), len(self._running), idle, recorded, in_memory,
+                                   self.status.dead)
         if self._running:
             self.idle.clear()
         else:

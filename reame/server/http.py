@@ -344,6 +344,9 @@ class Handler(BaseHTTPRequestHandler):
 class ReameHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # Connections the kernel holds until they are accepted: socketserver's 5 overflows when many clients
+    # connect at once, and an overflowing backlog turns into resets the clients see.
+    request_queue_size = 256
 
     def __init__(self, settings: ServerSettings, app: Any) -> None:
         self.settings = settings

@@ -53,6 +53,10 @@ class App:
                            lambda: self.engine.load()[0] if self.engine else 0)
         self.metrics.gauge("reame_busy_slots", "sequence slots generating",
                            lambda: self.engine.load()[1] if self.engine else 0)
+        self.metrics.gauge("reame_kv_tokens_recorded", "KV cells the engine's slots account for",
+                           lambda: self.engine.status.kv_recorded if self.engine else 0)
+        self.metrics.gauge("reame_kv_tokens_in_memory", "KV cells the model's memory holds (more than recorded: "
+                           "a leak)", lambda: self.engine.status.kv_in_memory if self.engine else 0)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
 
