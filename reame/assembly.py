@@ -23,6 +23,7 @@ from reame.server.sessions import Sessions
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
+from reame.speculative.suggeritore import Suggeritore
 
 log = logging.getLogger("reame")
 
@@ -75,11 +76,15 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
 
 
 def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | None:
-    """The draft sources the settings ask for, cheapest first; None when there are none."""
+    """The draft sources the settings ask for, cheapest and surest first; None when there are none."""
     options = settings.speculative
     if not options.enabled:
         return None
     sources: list[DraftSource] = []
+    if options.suggeritore:
+        sources.append(Suggeritore(backend.token_piece,
+                                   lambda text: backend.tokenize(text, add_special=False, parse_special=False),
+                                   backend.detokenize))
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
     if options.draft_model:

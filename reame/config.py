@@ -95,6 +95,8 @@ KEYS: tuple[Key, ...] = (
     Key("speculative.enabled", "bool", True,
         "draft tokens and verify them in one step, where the controller measures a gain"),
     Key("speculative.lookup", "bool", True, "draft by prompt lookup (copying from the prompt and answer)"),
+    Key("speculative.suggeritore", "bool", True,
+        "draft what the answer's form forces: a grammar's fixed text, list numbers, bullets, indentation"),
     Key("speculative.draft_model", "str", "",
         "catalog name or path of a smaller model with the same vocabulary that drafts too; empty = none"),
     Key("speculative.draft_min_probability", "float", 0.75,

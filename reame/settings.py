@@ -69,6 +69,7 @@ class CacheOptions:
 class SpeculativeOptions:
     enabled: bool
     lookup: bool
+    suggeritore: bool
     draft_model: str
     draft_min_probability: float
     max_draft_tokens: int
@@ -126,6 +127,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             compress=get("cache.compress")),
         speculative=SpeculativeOptions(
             enabled=get("speculative.enabled"), lookup=get("speculative.lookup"),
+            suggeritore=get("speculative.suggeritore"),
             draft_model=get("speculative.draft_model"),
             draft_min_probability=get("speculative.draft_min_probability"),
             max_draft_tokens=get("speculative.max_draft_tokens"),

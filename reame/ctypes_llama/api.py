@@ -204,6 +204,9 @@ _declare("llama_sampler_init_top_p", [c_float, c_size_t], llama_sampler_p)
 _declare("llama_sampler_init_min_p", [c_float, c_size_t], llama_sampler_p)
 # LLAMA_API struct llama_sampler * llama_sampler_init_temp(float t);
 _declare("llama_sampler_init_temp", [c_float], llama_sampler_p)
+# LLAMA_API struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
+#                                                             const char * grammar_str, const char * grammar_root);
+_declare("llama_sampler_init_grammar", [llama_vocab_p, c_char_p, c_char_p], llama_sampler_p, "structured output")
 # LLAMA_API struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
 #                                                               float penalty_repeat, float penalty_freq, float penalty_present);
 _declare("llama_sampler_init_penalties", [c_int32, c_int32, c_float, c_float, c_float], llama_sampler_p)

@@ -93,7 +93,6 @@ class Backend(Protocol):
         ...
 
     def sample(self, sampler: object, index: int) -> int: ...
-    def accept(self, sampler: object, token: int) -> None: ...
     def free_sampler(self, sampler: object) -> None: ...
     def logits(self, index: int) -> Sequence[float]: ...
     def top_tokens(self, index: int, k: int) -> list[tuple[int, float]]:
@@ -544,9 +543,16 @@ class LlamaBackend:
                 pairs = args[0]
                 biases = (t.llama_logit_bias * len(pairs))(*[t.llama_logit_bias(tok, bias) for tok, bias in pairs])
                 sampler = api.llama_sampler_init_logit_bias(self.n_vocab, len(pairs), biases)
+            elif kind == "grammar":
+                sampler = api.llama_sampler_init_grammar(self._vocab, args[0].encode("utf-8"), b"root")
+                if not sampler:
+                    api.llama_sampler_free(chain)
+                    raise ModelError(f"llama.cpp refused the grammar{_last_llama_error()}")
             elif kind == "penalties":
-                last_n, repeat, frequency, presence = args
+                last_n, repeat, frequency, presence, window = args
                 sampler = api.llama_sampler_init_penalties(self.n_vocab, last_n, repeat, frequency, presence)
+                for token in window:  # the prompt counts for the penalties (and only for them)
+                    api.llama_sampler_accept(sampler, token)
             elif kind == "greedy":
                 sampler = api.llama_sampler_init_greedy()
             elif kind == "top_k":
@@ -572,9 +578,6 @@ class LlamaBackend:
         if index not in self._outputs:
             raise ModelError(f"no logits at batch index {index}")
         return self._api.llama_sampler_sample(sampler, self._ctx, index)
-
-    def accept(self, sampler: object, token: int) -> None:
-        self._api.llama_sampler_accept(sampler, token)
 
     def free_sampler(self, sampler: object) -> None:
         seq_id = self._attached.pop(sampler, None)

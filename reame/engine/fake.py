@@ -26,6 +26,7 @@ from typing import Any
 
 from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
 from reame.engine.chat_template import ChatTemplate
+from reame.engine.grammar import GrammarState, compiled
 from reame.engine.sampling import Step
 from reame.errors import ModelError
 
@@ -107,9 +108,18 @@ class FakeSampler:
 
     def __init__(self, steps: Sequence[Step]) -> None:
         self.steps = list(steps)
-        self.history: list[int] = []
+        self.history: list[int] = list(next((step.args[4] for step in steps if step.kind == "penalties"), ()))
         seed = next((step.args[0] for step in steps if step.kind == "dist"), 0)
         self.rng = random.Random(seed)
+        grammar = next((step.args[0] for step in steps if step.kind == "grammar"), None)
+        # Bytes are characters here: the grammar reads ASCII (the toy vocabulary's other bytes it refuses).
+        self.grammar = GrammarState(compiled(grammar)) if grammar is not None else None
+
+    def accept(self, token: int) -> None:
+        """The token was drawn: the penalties count it, the grammar reads it."""
+        self.history.append(token)
+        if self.grammar is not None and token < 128:
+            self.grammar.feed(chr(token))
 
     def probabilities(self, logits: Sequence[float]) -> dict[int, float]:
         """The distribution the chain samples from (greedy: all mass on the argmax)."""
@@ -128,6 +138,12 @@ class FakeSampler:
 
     def _apply(self, step: Step, candidates: dict[int, float]) -> dict[int, float]:
         kind, args = step.kind, step.args
+        if kind == "grammar":
+            assert self.grammar is not None
+            grammar, stacks = self.grammar.grammar, self.grammar.stacks
+            can_end = () in stacks
+            return {token: value for token, value in candidates.items()
+                    if (token < 128 and grammar.advance(stacks, token)) or (can_end and token in (EOS, IM_END))}
         if kind == "logit_bias":
             adjusted = dict(candidates)
             for token, bias in args[0]:
@@ -135,7 +151,7 @@ class FakeSampler:
                     adjusted[token] += bias
             return {t: v for t, v in adjusted.items() if v != -math.inf}
         if kind == "penalties":
-            last_n, repeat, frequency, presence = args
+            last_n, repeat, frequency, presence, _ = args
             window = self.history if last_n < 0 else self.history[-last_n:] if last_n else []
             counts: dict[int, int] = {}
             for token in window:
@@ -315,11 +331,8 @@ class FakeBackend:
 
     def sample(self, sampler: FakeSampler, index: int) -> int:
         token = sampler.pick(self.logits(index))
-        sampler.history.append(token)
+        sampler.accept(token)
         return token
-
-    def accept(self, sampler: FakeSampler, token: int) -> None:
-        sampler.history.append(token)
 
     def free_sampler(self, sampler: FakeSampler) -> None:
         sampler.steps = []

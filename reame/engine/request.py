@@ -41,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # GBNF the output must match (checked by the caller: engine/grammar.py)
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)

@@ -23,21 +23,26 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # logit_bias | penalties | top_k | top_p | min_p | temp | dist | greedy
+    kind: str  # grammar | logit_bias | penalties | top_k | top_p | min_p | temp | dist | greedy
     args: tuple
 
 
-def chain_steps(params: SamplingParams, eog_tokens: Iterable[int] = (), seed: int | None = None) -> list[Step]:
-    """Ordered steps for `params`; `eog_tokens` are banned when params.ignore_eos."""
+def chain_steps(params: SamplingParams, eog_tokens: Iterable[int] = (), seed: int | None = None,
+                history: Sequence[int] = ()) -> list[Step]:
+    """Ordered steps for `params`; `eog_tokens` are banned when params.ignore_eos; `history`: the tokens
+    before the first sampled one (the prompt), which the penalties count but the grammar never sees."""
     steps: list[Step] = []
+    if params.grammar is not None:
+        steps.append(Step("grammar", (params.grammar,)))
     bias = dict(params.logit_bias)
     if params.ignore_eos:
         bias.update({token: NEG_INF for token in eog_tokens})
     if bias:
         steps.append(Step("logit_bias", (tuple(sorted(bias.items())),)))
     if params.penalised:
+        window = history if params.repeat_last_n < 0 else history[-params.repeat_last_n:]
         steps.append(Step("penalties", (params.repeat_last_n, params.repeat_penalty,
-                                        params.frequency_penalty, params.presence_penalty)))
+                                        params.frequency_penalty, params.presence_penalty, tuple(window))))
     if params.greedy:
         steps.append(Step("greedy", ()))
         return steps

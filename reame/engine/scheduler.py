@@ -453,16 +453,11 @@ class Engine:
         """Give a request a slot with its KV ready to extend, and its own sampler chain."""
         backend = self.backend
         params = handle.request.params
-        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else ())
+        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else (), history=handle.prompt_tokens)
         slot, shared = self._pick_slot(handle.prompt_tokens)
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
-            if params.penalised:
-                window = handle.prompt_tokens if params.repeat_last_n < 0 else \
-                    handle.prompt_tokens[-params.repeat_last_n:]
-                for token in window:
-                    backend.accept(sampler, token)
             room = backend.n_ctx_seq - len(handle.prompt_tokens)
             running = Running(handle, slot, sampler, min(params.max_tokens or room, room), next(self._admissions))
             saved = self._best_saved_state(handle)
@@ -479,7 +474,7 @@ class Engine:
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
             running.snapshot_at = self._snapshot_point(running)
             if self.speculation is not None and not handle.request.warm:
-                running.draftings = self.speculation.start(handle.prompt_tokens)
+                running.draftings = self.speculation.start(handle.prompt_tokens, params.grammar)
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(slot.seq_id)

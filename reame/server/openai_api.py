@@ -25,7 +25,8 @@ from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
-from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
+from reame.server.structured import requested_grammar
+from reame.server.tools import ToolRequest, forced_call_grammar, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
                                      embedding_inputs, sampling_params, stream_usage)
 
@@ -341,7 +342,7 @@ class App:
                             code="unsupported_parameter")
         max_tokens = fields.integer("max_tokens", 16, 1, None)
         self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
-                      suffix=suffix)
+                      suffix=suffix, grammar=requested_grammar(fields.body))
 
     def chat_completions(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -358,11 +359,12 @@ class App:
         if top_logprobs is not None and logprobs is None:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
                             code="invalid_value")
-        response_format = fields.body.get("response_format")
-        if response_format is not None:
-            if not isinstance(response_format, dict) or response_format.get("type") not in ("text",):
-                raise HttpError(400, "only response_format {\"type\": \"text\"} is supported for now",
-                                param="response_format", code="unsupported_parameter")
+        grammar = requested_grammar(fields.body)
+        if tools is not None and tools.forced is not None:
+            if grammar is not None:
+                raise HttpError(400, "a forced tool call already fixes the answer's shape: drop response_format",
+                                param="response_format", code="invalid_value")
+            grammar = forced_call_grammar(tools)
         messages = chat_messages(fields.body.get("messages"))
         max_tokens = fields.integer("max_completion_tokens", None, 1, None)
         if max_tokens is None:
@@ -374,11 +376,11 @@ class App:
         if tools is not None:
             prompt += tools.prefill
         self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs,
-                      tools=tools)
+                      tools=tools, grammar=grammar)
 
     def generate(self, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
                  max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
-                 tools: ToolRequest | None = None, suffix: str | None = None) -> None:
+                 tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None) -> None:
         n = fields.integer("n", 1, 1, MAX_CHOICES)
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
@@ -399,7 +401,7 @@ class App:
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
             handles = []
-            base = sampling_params(fields, max_tokens, None)  # read and checked once, seeded per choice
+            base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
             try:
                 for prompt_index, prompt in enumerate(prompts):
                     for j in range(n):

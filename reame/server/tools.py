@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from reame.engine.json_schema import literal, render, schema_rules
 from reame.server.http import HttpError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -55,6 +56,34 @@ class ToolRequest:
         if self.forced is None:
             return ""
         return OPEN + '\n{"name": "' + (self.forced + '", "arguments": ' if self.forced else "")
+
+
+def forced_call_grammar(tools: ToolRequest) -> str | None:
+    """For a forced call, the GBNF of what the model writes after the prefill: the call, its arguments
+    matching the function's parameter schema, the closing tag (then more calls when parallel calls are
+    allowed and any function may be called); None when calling is the model's choice."""
+    if tools.forced is None:
+        return None
+    rules: dict[str, str] = {}
+    calls = []
+    for index, tool in enumerate(tools.tools):
+        function = tool["function"]
+        if tools.forced and function["name"] != tools.forced:
+            continue
+        rules.update(schema_rules(function.get("parameters", {"type": "object"}),
+                                  param=f"tools[{index}].function.parameters", top=f"args-{index}"))
+        name = "" if tools.forced else literal(function["name"] + '", "arguments": ')
+        calls.append(f"{name} args-{index}".strip())
+    end = literal("}\n" + CLOSE)
+    if tools.forced:
+        root = f"{calls[0]} ws {end}"
+    else:
+        rules["call"] = " | ".join(calls)
+        another = literal("\n" + OPEN + '\n{"name": "')
+        more = f" ( {another} call ws {end} )*" if tools.parallel else ""
+        root = f"call ws {end}{more}"
+    rules["ws"] = rules.get("ws", '| " " | "\\n" [ \\t]{0,20}')
+    return render({"root": root, **rules})
 
 
 def tool_request(body: Mapping[str, Any]) -> ToolRequest | None:

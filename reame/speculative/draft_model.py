@@ -80,7 +80,7 @@ class DraftModel:
         self._samplers = [backend.new_sampler([Step("top_k", (TOP_CANDIDATES,))], slot)
                           for slot in range(backend.n_seq_max)]
 
-    def drafter(self, prompt: Sequence[int]) -> DraftModelDrafter:
+    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> DraftModelDrafter:
         """A drafter on the idle slot whose KV shares the longest start with `prompt`."""
         if not self._idle:
             return DraftModelDrafter(self, None, [], prompt)  # more sequences than slots: it drafts nothing

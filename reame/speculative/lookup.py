@@ -22,7 +22,7 @@ class PromptLookup:
         self.max_ngram = max(1, max_ngram)
         self.min_ngram = min(max(1, min_ngram), self.max_ngram)
 
-    def drafter(self, prompt: Sequence[int]) -> LookupDrafter:
+    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> LookupDrafter:
         drafter = LookupDrafter(self.max_ngram, self.min_ngram)
         drafter.observe(prompt)
         return drafter

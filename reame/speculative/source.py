@@ -36,7 +36,9 @@ class DraftSource(Protocol):
     # decides first and the proposal's time is measured and charged to the source.
     free: bool
 
-    def drafter(self, prompt: Sequence[int]) -> Drafter: ...
+    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> Drafter:
+        """A drafter for one sequence: its prompt, and the GBNF its output must match, if any."""
+        ...
 
     def warm_up(self) -> None:
         """One-time costs, paid on the engine thread before the first request."""

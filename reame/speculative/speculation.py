@@ -79,11 +79,12 @@ class Speculation:
         self._records = {source.name: _SourceRecord() for source in sources}
         self._lock = threading.Lock()
 
-    def start(self, prompt: Sequence[int]) -> list[Drafting]:
-        """A new sequence's draftings, each controller starting from what its source achieved lately."""
+    def start(self, prompt: Sequence[int], grammar: str | None = None) -> list[Drafting]:
+        """A new sequence's draftings, each controller starting from what its source achieved lately;
+        `grammar`: the GBNF its output must match, if any."""
         with self._lock:
             priors = {name: record.acceptance for name, record in self._records.items()}
-        return [Drafting(source.name, source.drafter(prompt),
+        return [Drafting(source.name, source.drafter(prompt, grammar),
                          DraftController(self.max_draft, priors[source.name], probes=not source.free), source.free)
                 for source in self.sources]
 

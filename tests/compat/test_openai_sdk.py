@@ -167,3 +167,42 @@ def test_a_base_url_without_v1_works(server):
     assert [model.id for model in bare.models.list()] == [MODEL]
     answer = bare.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=3)
     assert answer.choices[0].message.content is not None
+
+
+STRUCTURED = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 30}, "temperature_c": {"type": "integer", "minimum": -60, "maximum": 60},
+    "sky": {"enum": ["sunny", "cloudy", "rain"]}}, "required": ["city", "temperature_c", "sky"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_through_the_sdk(client, stream):
+    import json
+
+    import jsonschema
+    messages = [{"role": "user", "content": "The weather in Rome, as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": STRUCTURED}}
+    for seed in (1, 2):
+        if stream:
+            chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=150, seed=seed,
+                                                         response_format=response_format, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=150, seed=seed,
+                                                    response_format=response_format)
+            text, finish = answer.choices[0].message.content, answer.choices[0].finish_reason
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), STRUCTURED)
+
+
+def test_json_object_mode_and_a_bad_schema_through_the_sdk(client):
+    import json
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A JSON object."}],
+                                            max_tokens=100, response_format={"type": "json_object"}, temperature=0)
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "string", "pattern": "^a"}}})
+    assert "'pattern' is not supported" in raised.value.message

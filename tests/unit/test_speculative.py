@@ -122,7 +122,7 @@ class AlwaysDraft:
     def __init__(self, token):
         self.token = token
 
-    def drafter(self, prompt):
+    def drafter(self, prompt, grammar=None):
         token = self.token
 
         class Drafter:

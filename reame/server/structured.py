@@ -1,0 +1,65 @@
+"""Structured output: what a request asks its answer to match, as one GBNF grammar.
+
+OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and, as
+llama-server takes them, a `grammar` (GBNF) or a bare `json_schema` field. The
+grammar is checked here, in the caller's thread (engine/grammar.py), so a
+mistake is a 400 naming it before any work; llama.cpp's grammar sampler then
+constrains every token, and the answer always parses (or ends with
+`finish_reason: "length"` when max_tokens cut it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reame.engine.grammar import GrammarError, compiled
+from reame.engine.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
+from reame.server.http import HttpError
+
+MAX_GRAMMAR_BYTES = 256 << 10
+
+
+def requested_grammar(body: dict[str, Any]) -> str | None:
+    """The GBNF the answer must match, or None; a 400 for anything malformed or unsupported."""
+    asked = [name for name in ("response_format", "grammar", "json_schema") if body.get(name) is not None]
+    if len(asked) > 1:
+        raise HttpError(400, f"give one of 'response_format', 'grammar' and 'json_schema', not {' and '.join(asked)}",
+                        param=asked[1], code="invalid_value")
+    try:
+        if "grammar" in asked:
+            grammar = body["grammar"]
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise HttpError(400, "'grammar' must be a GBNF text", param="grammar", code="invalid_type")
+            if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+                raise HttpError(400, f"'grammar' is over {MAX_GRAMMAR_BYTES} bytes", param="grammar",
+                                code="invalid_value")
+            return checked(grammar)
+        if "json_schema" in asked:
+            return checked(schema_to_gbnf(body["json_schema"], param="json_schema"))
+        if "response_format" in asked:
+            return response_format_grammar(body["response_format"])
+    except GrammarError as error:
+        raise HttpError(400, str(error), param=error.param, code=error.code) from None
+    return None
+
+
+def response_format_grammar(value: Any) -> str | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise HttpError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": …, \"schema\": {…}}}",
+                        param="response_format", code="invalid_value")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return JSON_OBJECT_GBNF
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise HttpError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                        param="response_format.json_schema", code="invalid_value")
+    return checked(schema_to_gbnf(spec["schema"], param="response_format.json_schema.schema"))
+
+
+def checked(gbnf: str) -> str:
+    """The grammar, once it parsed (compiled() keeps it for the engine's drafts too)."""
+    compiled(gbnf)
+    return gbnf
