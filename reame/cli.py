@@ -8,6 +8,8 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import sys
@@ -20,8 +22,11 @@ from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend
+from reame.engine.grammar import GrammarError
+from reame.engine.json_schema import schema_to_gbnf
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
+from reame.server.structured import checked
 from reame.settings import Settings, from_values
 
 log = logging.getLogger("reame")
@@ -110,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch", type=positive_int, help="most tokens per decode call (512)")
     run.add_argument("--system", help="a system message for the chat template")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--json-schema", metavar="FILE",
+                     help="answer with JSON this schema accepts (a JSON Schema file; for scripts)")
+    run.add_argument("--grammar", metavar="FILE", help="answer with text this GBNF grammar accepts")
     run.add_argument("--draft-model", metavar="MODEL",
                      help="a smaller model with the same vocabulary that drafts tokens (catalog name or path)")
     run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
@@ -214,6 +222,9 @@ def read_prompt(prompt: str | None) -> str | None:
 
 def command_run(args: argparse.Namespace, settings: Settings) -> int:
     prompt = read_prompt(args.prompt)
+    grammar = answer_grammar(args)
+    if grammar is not None:
+        settings = dataclasses.replace(settings, generation=dataclasses.replace(settings.generation, grammar=grammar))
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
     if args.print_config:
@@ -234,6 +245,24 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
         return answer_once(engine, prompt, settings.generation, args.quiet)
+
+
+def answer_grammar(args: argparse.Namespace) -> str | None:
+    """The GBNF of --json-schema or --grammar (read and checked before the model loads), or None."""
+    if args.json_schema and args.grammar:
+        raise ConfigError("give --json-schema or --grammar, not both")
+    try:
+        if args.json_schema:
+            try:
+                schema = json.loads(read_text_file(args.json_schema))
+            except ValueError as error:
+                raise ConfigError(f"{args.json_schema} is not JSON: {error}") from None
+            return checked(schema_to_gbnf(schema, param=args.json_schema))
+        if args.grammar:
+            return checked(read_text_file(args.grammar))
+    except GrammarError as error:
+        raise ConfigError(str(error)) from None
+    return None
 
 
 def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool) -> int:

@@ -297,10 +297,13 @@ def integer_range(low: int | None, high: int | None) -> str:
 
 
 def _natural_range(low: int, high: int | None) -> str:
-    """GBNF for the natural numbers from `low` to `high` (None: no upper bound), without leading zeros."""
+    """GBNF for the natural numbers from `low` to `high`, without leading zeros.
+
+    No upper bound (None) means at most 16 digits, as for any integer here: a small model that starts
+    repeating a digit would otherwise fill max_tokens with it instead of closing the object.
+    """
     if high is None:
-        digits = len(str(low))
-        return f"{_digits(str(low), '9' * digits)} | [1-9] [0-9]{{{digits},}}"
+        high = max(10 ** 16 - 1, 10 ** len(str(low)) - 1)
     options = []
     for digits in range(len(str(low)), len(str(high)) + 1):
         start = max(low, 10 ** (digits - 1) if digits > 1 else 0)

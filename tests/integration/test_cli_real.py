@@ -77,3 +77,27 @@ def test_pull_list_and_run_from_a_clean_home(native_libraries, smollm2_path, tmp
     assert "verified" in listed.stdout and "not downloaded" in listed.stdout  # smollm2 yes, the others no
     answered = reame("run", "smol", "Say hello.", "--temp", "0", "--max-tokens", "8", "-q", env=env)
     assert answered.returncode == 0 and answered.stdout.strip()
+
+
+def test_json_schema_flag_answers_with_json_the_schema_accepts(native_libraries, smollm2_path, tmp_path):
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    schema_file = tmp_path / "city.json"
+    schema_file.write_text(json.dumps(schema))
+    result = reame("run", str(smollm2_path), "Describe Paris as JSON.", "--json-schema", str(schema_file),
+                   "--temp", "0", "--max-tokens", "64", "-q")
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+
+
+def test_grammar_flag_constrains_the_answer(native_libraries, smollm2_path, tmp_path):
+    grammar_file = tmp_path / "yesno.gbnf"
+    grammar_file.write_text('root ::= ("yes" | "no") "."\n')
+    result = reame("run", str(smollm2_path), "Is the sky green?", "--grammar", str(grammar_file),
+                   "--temp", "0.8", "--seed", "7", "-q")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("yes.", "no.")

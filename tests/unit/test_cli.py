@@ -106,3 +106,26 @@ def test_dash_v_prints_the_version_in_one_line_as_the_original_did(capsys):
     with pytest.raises(SystemExit) as raised:
         main(["-v"])
     assert raised.value.code == 0 and capsys.readouterr().out == f"reame {__version__}\n"
+
+
+@pytest.mark.parametrize("flag,content,message", [
+    ("--json-schema", "{not json", "is not JSON"),
+    ("--json-schema", '{"type": "object", "properties": {"a": {"type": "frobnicate"}}}', "frobnicate"),
+    ("--json-schema", '{"type": "string", "pattern": "^a+$"}', "pattern"),
+    ("--grammar", 'root ::= "a" undefined-rule', "undefined-rule"),
+    ("--grammar", 'root ::= "unterminated', "line 1, column 23: unterminated string"),
+    ("--grammar", "", "empty"),
+])
+def test_a_bad_schema_or_grammar_is_refused_before_the_model_loads(tmp_path, capsys, flag, content, message):
+    path = tmp_path / "answer.txt"
+    path.write_text(content)
+    code, out, err = run(["run", "no-such-model", "hi", flag, str(path)], capsys)
+    assert code == 2 and out == ""
+    assert message in err and err.strip().count("\n") == 0
+
+
+def test_schema_and_grammar_together_are_refused(tmp_path, capsys):
+    path = tmp_path / "g.gbnf"
+    path.write_text('root ::= "a"')
+    code, _, err = run(["run", "smollm2", "hi", "--grammar", str(path), "--json-schema", str(path)], capsys)
+    assert code == 2 and "not both" in err

@@ -107,6 +107,14 @@ def test_integer_ranges_are_exact():
         assert not grammar.accepts("007") and not grammar.accepts("-0")
 
 
+@pytest.mark.parametrize("low, high", [(0, None), (None, 5), (None, None)])
+def test_an_open_integer_bound_stops_at_sixteen_digits_as_unbounded_integers_do(low, high):
+    grammar = parse_gbnf("root ::= " + integer_range(low, high))
+    assert grammar.accepts("9" * 16) is (high is None)
+    assert grammar.accepts("-" + "9" * 16) is (low is None)
+    assert not grammar.accepts("9" * 17) and not grammar.accepts("-" + "9" * 17)
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "pattern": "^a$"}, "'pattern' is not supported at $"),
     ({"type": "object", "properties": {"x": {"type": "string", "format": "email"}}}, "format 'email' is not "
