@@ -7,7 +7,8 @@ Two kinds of text need no model to guess:
   closing tag (engine/grammar.py follows the answer character by character);
 - what structure predicts at the start of a line: the next number of a
   numbered list, the same bullet, a table's leading pipe, the indentation of
-  the line before.
+  the line before, and in code the closing bracket of a block once a line
+  starts back at the indentation of the line that opened it.
 
 The text is tokenized as the model's vocabulary would and proposed as a
 draft. Drafts are verified, never forced: the model's own draw decides every
@@ -32,6 +33,7 @@ LINE_PATTERNS = (
     (re.compile(r"^([ \t]*)\|"), lambda m: f"{m.group(1)}|"),
     (re.compile(r"^([ \t]+)\S"), lambda m: m.group(1)),
 )
+CLOSERS = {"(": ")", "[": "]", "{": "}"}
 
 
 class Suggeritore:
@@ -63,6 +65,7 @@ class SuggeritoreDrafter:
         self.line = text.rsplit("\n", 1)[-1]  # the line being written
         self.previous = text.rsplit("\n", 2)[-2] if "\n" in text else ""  # the line before it
         self.grammar = grammar
+        self.open_brackets: list[tuple[str, str]] = []  # (closer, indentation of its line), innermost last
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def observe(self, tokens: Sequence[int]) -> None:
@@ -72,12 +75,18 @@ class SuggeritoreDrafter:
                 continue
             if self.grammar is not None and not self.grammar.feed(text):
                 self.grammar = None  # the answer left the grammar (cannot happen under the sampler): stop
-            lines = text.split("\n")
-            if len(lines) > 1:
-                self.previous = lines[-2] if len(lines) > 2 else self.line + lines[0]
-                self.line = lines[-1]
-            else:
-                self.line += text
+            for char in text:
+                self._follow(char)
+
+    def _follow(self, char: str) -> None:
+        if char == "\n":
+            self.previous, self.line = self.line, ""
+            return
+        self.line += char
+        if char in CLOSERS:
+            self.open_brackets.append((CLOSERS[char], indentation(self.line)))
+        elif self.open_brackets and char == self.open_brackets[-1][0]:
+            self.open_brackets.pop()
 
     def propose(self, limit: int) -> list[int]:
         if limit <= 0:
@@ -86,7 +95,22 @@ class SuggeritoreDrafter:
         if not text and self.line == "":
             text = next((make(match) for pattern, make in LINE_PATTERNS if (match := pattern.match(self.previous))),
                         "")
+        if not text and self.line and not self.line.strip():
+            text = self._closer()
         return self.source.tokenize(text)[:limit] if text else []
+
+    def _closer(self) -> str:
+        """The innermost open bracket's closer, when this line's indentation went back to its opener's line
+        from deeper: the shape of a block ending in C, JavaScript, Rust, JSON or a multi-line Python list."""
+        if not self.open_brackets:
+            return ""
+        closer, opener_indentation = self.open_brackets[-1]
+        returned = self.line == opener_indentation and len(indentation(self.previous)) > len(self.line)
+        return closer if returned else ""
 
     def close(self) -> None:
         pass
+
+
+def indentation(line: str) -> str:
+    return line[:len(line) - len(line.lstrip(" \t"))]

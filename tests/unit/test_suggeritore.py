@@ -82,3 +82,24 @@ def test_the_drafter_follows_the_answer_across_split_characters_and_lines():
     drafter.observe(list(b'"a'))
     assert backend.detokenize(drafter.propose(8)) == "dministr"  # at most the limit
     assert backend.detokenize(drafter.propose(20)) == 'dministrator"'
+
+
+def test_a_block_closing_bracket_is_drafted_when_a_line_returns_to_its_openers_indentation():
+    backend = FakeBackend()
+    drafter = suggeritore(backend).drafter([], None)
+    drafter.observe(list(b"    fn main() {\n        let x = f(1, [2, 3]);\n"))
+    assert backend.detokenize(drafter.propose(8)) == "        "  # a line start: the indentation before
+    drafter.observe(list(b"    "))
+    assert backend.detokenize(drafter.propose(8)) == "}"  # back at the opener's indentation
+    drafter.observe(list(b"}\n"))
+    assert drafter.open_brackets == []
+    drafter.observe(list(b"    "))
+    assert drafter.propose(8) == []  # nothing left open
+
+
+def test_closing_brackets_in_code_are_drafted_and_accepted_with_identical_output():
+    code = "int main() {\n    int a[] = {\n        1,\n        2,\n    };\n    return a[0];\n}\n"
+    plain, _ = run(code, speculate=False)
+    fast, _ = run(code)
+    assert fast.tokens == plain.tokens and fast.text == code
+    assert fast.finish.usage.accepted_draft_tokens >= 4  # indentation three times and the "}" of the array
