@@ -30,6 +30,7 @@ from reame.ctypes_llama.types import (
     llama_sampler_p,
     llama_seq_id,
     llama_token,
+    llama_token_data_array,
     llama_vocab_p,
 )
 from reame.errors import ModelError
@@ -186,12 +187,16 @@ _declare("llama_set_sampler", [llama_context_p, llama_seq_id, llama_sampler_p], 
          "drafting with a draft model")
 # LLAMA_API void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 _declare("llama_sampler_accept", [llama_sampler_p, llama_token], None)
+# LLAMA_API void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+_declare("llama_sampler_apply", [llama_sampler_p, POINTER(llama_token_data_array)], None)
 # LLAMA_API void llama_sampler_free(struct llama_sampler * smpl);
 _declare("llama_sampler_free", [llama_sampler_p], None)
 # LLAMA_API struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
 _declare("llama_sampler_chain_init", [llama_sampler_chain_params], llama_sampler_p)
 # LLAMA_API void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
 _declare("llama_sampler_chain_add", [llama_sampler_p, llama_sampler_p], None)
+# LLAMA_API struct llama_sampler * llama_sampler_chain_get(struct llama_sampler * chain, int32_t i);
+_declare("llama_sampler_chain_get", [llama_sampler_p, c_int32], llama_sampler_p)
 # LLAMA_API struct llama_sampler * llama_sampler_init_greedy(void);
 _declare("llama_sampler_init_greedy", [], llama_sampler_p)
 # LLAMA_API struct llama_sampler * llama_sampler_init_dist(uint32_t seed);

@@ -257,6 +257,26 @@ class llama_context_params(Structure):
     ]
 
 
+# typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
+class llama_token_data(Structure):
+    _fields_ = [
+        ("id", llama_token),
+        ("logit", c_float),
+        ("p", c_float),
+    ]
+
+
+# typedef struct llama_token_data_array { llama_token_data * data; size_t size; int64_t selected;
+#                                         bool sorted; } llama_token_data_array;
+class llama_token_data_array(Structure):
+    _fields_ = [
+        ("data", POINTER(llama_token_data)),
+        ("size", c_size_t),
+        ("selected", c_int64),
+        ("sorted", c_bool),
+    ]
+
+
 # typedef struct llama_logit_bias { llama_token token; float bias; } llama_logit_bias;
 class llama_logit_bias(Structure):
     _fields_ = [

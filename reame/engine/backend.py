@@ -523,6 +523,28 @@ class LlamaBackend:
         raise ModelError(f"llama_decode failed with status {status}{_last_llama_error()}")
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
+        """A sampler for `steps`. A grammar without penalties gets a `_GrammarOnRejection`: the grammar is
+        asked only about the token drawn without it, and over the vocabulary only when it refuses that."""
+        kinds = [step.kind for step in steps]
+        if kinds[:1] == ["grammar"] and "penalties" not in kinds and seq_id is None:
+            return self._grammar_on_rejection(steps)
+        return self._chain(steps, seq_id)
+
+    def _grammar_on_rejection(self, steps: Sequence[Step]) -> _GrammarOnRejection:
+        rest = list(steps[1:])
+        unconstrained = self._chain(rest)
+        # The fallback draws with its own seed: a resample is a new draw, not the refused one again.
+        fallback_steps = [Step("dist", ((step.args[0] + 1) % (2**32 - 1),)) if step.kind == "dist" else step
+                          for step in rest]
+        try:
+            constrained = self._chain([steps[0], *fallback_steps])
+        except ModelError:
+            self._api.llama_sampler_free(unconstrained)
+            raise
+        grammar = self._api.llama_sampler_chain_get(constrained, 0)
+        return _GrammarOnRejection(unconstrained, constrained, grammar)
+
+    def _chain(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
         """Build a llama sampler chain; with `seq_id`, attach it to that sequence.
 
         An attached chain runs inside the decode graph ("backend sampling") and
@@ -577,9 +599,20 @@ class LlamaBackend:
         # A wrong index makes llama.cpp abort the whole process: check it here.
         if index not in self._outputs:
             raise ModelError(f"no logits at batch index {index}")
-        return self._api.llama_sampler_sample(sampler, self._ctx, index)
+        api = self._api
+        if not isinstance(sampler, _GrammarOnRejection):
+            return api.llama_sampler_sample(sampler, self._ctx, index)
+        token = api.llama_sampler_sample(sampler.unconstrained, self._ctx, index)
+        if sampler.allows(api, token):
+            api.llama_sampler_accept(sampler.constrained, token)  # the grammar (and the rest) read it
+            return token
+        return api.llama_sampler_sample(sampler.constrained, self._ctx, index)
 
     def free_sampler(self, sampler: object) -> None:
+        if isinstance(sampler, _GrammarOnRejection):
+            self._api.llama_sampler_free(sampler.unconstrained)
+            self._api.llama_sampler_free(sampler.constrained)
+            return
         seq_id = self._attached.pop(sampler, None)
         if seq_id is not None:
             self._api.llama_set_sampler(self._ctx, seq_id, None)
@@ -699,6 +732,35 @@ class LlamaBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _GrammarOnRejection:
+    """Grammar-constrained sampling at the price of one token's check, as llama-server samples.
+
+    Applying a grammar means walking every vocabulary token's text through it:
+    milliseconds per token with a 150k-token vocabulary, per drafted position
+    too. So the token is drawn without the grammar first (`unconstrained`),
+    the grammar checks just that token, and only when it refuses is the token
+    drawn again from `constrained` (the grammar, then the same steps).
+    Greedy, the result is the grammar-masked argmax either way; with a
+    temperature it is the masked distribution too (a draw from p kept when
+    allowed, else one from p restricted to what is allowed, sums to p
+    restricted); top-k/top-p/min-p then cut the whole vocabulary on the first
+    draw and the allowed part on the second, as in llama-server. Only chains
+    without penalties qualify: the unconstrained chain already counted the
+    refused token, and penalties would remember it.
+    """
+
+    def __init__(self, unconstrained: object, constrained: object, grammar: object) -> None:
+        self.unconstrained, self.constrained, self.grammar = unconstrained, constrained, grammar
+        self._candidate = t.llama_token_data()
+        self._candidates = t.llama_token_data_array(ctypes.pointer(self._candidate), 1, -1, False)
+
+    def allows(self, api: Any, token: int) -> bool:
+        self._candidate.id, self._candidate.logit, self._candidate.p = token, 1.0, 0.0
+        self._candidates.size, self._candidates.selected = 1, -1
+        api.llama_sampler_apply(self.grammar, ctypes.byref(self._candidates))
+        return self._candidate.logit != float("-inf")
 
 
 class _EmbeddingContext:

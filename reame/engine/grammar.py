@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from reame.errors import RequestError
 
+WHITESPACE = frozenset(map(ord, " \t\n\r"))
 MAX_EXPANSION_DEPTH = 200  # rule references followed without reading a character: left recursion
 
 
@@ -69,6 +70,7 @@ class Grammar:
         self.names, self.rules, self.root = names, rules, root
         self._expanded: dict[Stack, frozenset[Stack]] = {}
         self._advanced: dict[tuple[frozenset[Stack], int], frozenset[Stack]] = {}
+        self._forced: dict[tuple[frozenset[Stack], bool], int | None] = {}
 
     def start(self) -> frozenset[Stack]:
         stacks: set[Stack] = set()
@@ -124,8 +126,15 @@ class Grammar:
             self._advanced[key] = frozen
         return frozen
 
-    def forced(self, stacks: frozenset[Stack]) -> int | None:
-        """The one character every way on allows, if there is exactly one (and the text cannot end here)."""
+    def forced(self, stacks: frozenset[Stack], besides_whitespace: bool = False) -> int | None:
+        """The one character every way on allows, if there is exactly one (and the text cannot end here);
+        `besides_whitespace`: the one character allowed other than whitespace, which may come first."""
+        key = (stacks, besides_whitespace)
+        if key not in self._forced:
+            self._forced[key] = self._find_forced(stacks, besides_whitespace)
+        return self._forced[key]
+
+    def _find_forced(self, stacks: frozenset[Stack], besides_whitespace: bool) -> int | None:
         allowed: set[int] = set()
         for stack in stacks:
             if not stack:
@@ -135,6 +144,8 @@ class Grammar:
             if not isinstance(element, Chars) or element.negated:
                 return None
             for low, high in element.ranges:
+                if besides_whitespace and all(code in WHITESPACE for code in range(low, min(high, low + 4) + 1)):
+                    continue
                 if high != low or len(allowed | {low}) > 1:
                     return None
                 allowed.add(low)
@@ -151,30 +162,65 @@ class Grammar:
 
 
 class GrammarState:
-    """Where a generation is in its grammar, fed the text it emits; tells what text is forced next."""
+    """Where a generation is in its grammar, fed the text it emits; tells what text is forced next.
+
+    Where the grammar lets whitespace come before its next character (JSON's
+    `ws`), nothing is forced, yet a writer lays out its text the same way each
+    time: after `{` a newline and two spaces, after `:` one space. So the state
+    learns the whitespace written at each such place, keyed by the character
+    before it, and `forced_text` continues through such a place with the
+    whitespace written there last time.
+    """
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.stacks = grammar.start()
+        self.habits: dict[str, str] = {}  # character -> the whitespace written after it where optional
+        self._previous = ""
+        self._layout: tuple[str, str] | None = None  # (character before, whitespace so far) being written
 
     def feed(self, text: str) -> bool:
         """Read emitted text; False once the grammar refuses it (then nothing more is forced)."""
+        grammar = self.grammar
         for char in text:
             if not self.stacks:
                 return False
-            self.stacks = self.grammar.advance(self.stacks, ord(char))
+            if self._layout is None and grammar.forced(self.stacks) is None \
+                    and grammar.forced(self.stacks, besides_whitespace=True) is not None:
+                self._layout = (self._previous, "")
+            if self._layout is not None:
+                if ord(char) in WHITESPACE:
+                    self._layout = (self._layout[0], self._layout[1] + char)
+                else:
+                    self.habits[self._layout[0]] = self._layout[1]
+                    self._layout = None
+            self.stacks = grammar.advance(self.stacks, ord(char))
+            self._previous = char
         return bool(self.stacks)
 
     def forced_text(self, limit: int) -> str:
-        """Up to `limit` characters the grammar allows and nothing else, from here."""
-        stacks, out = self.stacks, []
+        """Up to `limit` characters the grammar allows and nothing else from here, through optional
+        whitespace laid out as before."""
+        grammar = self.grammar
+        stacks, out = self.stacks, ""
+        before, written = self._layout if self._layout is not None else (self._previous, "")
         while stacks and len(out) < limit:
-            code = self.grammar.forced(stacks)
+            code = grammar.forced(stacks)
             if code is None:
-                break
-            out.append(chr(code))
-            stacks = self.grammar.advance(stacks, code)
-        return "".join(out)
+                habit = self.habits.get(before)
+                code = grammar.forced(stacks, besides_whitespace=True) if habit is not None else None
+                if code is None or not habit.startswith(written):
+                    break
+                rest = habit[len(written):]
+                for char in rest:
+                    stacks = grammar.advance(stacks, ord(char))
+                if not stacks:
+                    break
+                out += rest
+            out += chr(code)
+            stacks = grammar.advance(stacks, code)
+            before, written = chr(code), ""
+        return out[:limit]
 
 
 # --- the GBNF parser --------------------------------------------------------------------------

@@ -34,6 +34,7 @@ LINE_PATTERNS = (
     (re.compile(r"^([ \t]+)\S"), lambda m: m.group(1)),
 )
 CLOSERS = {"(": ")", "[": "]", "{": "}"}
+NEXT_WORD = "x"  # what a draft's text is tokenized before (see Suggeritore.tokens_of)
 
 
 class Suggeritore:
@@ -47,6 +48,27 @@ class Suggeritore:
         """`piece`: a token's bytes; `tokenize`: text to tokens without BOS or special tokens;
         `detokenize`: tokens to text (the backend's, all thread-safe)."""
         self.piece, self.tokenize, self.detokenize = piece, tokenize, detokenize
+
+    def tokens_of(self, text: str) -> list[int]:
+        """`text` as the model would tokenize it inside the answer, as far as that is knowable.
+
+        Tokenizers split text into words before they look up tokens, and where
+        a draft ends, its last characters may belong with the next word: the
+        model writes a line break, two spaces and `"name"` as the break, ` `,
+        ` "` and `name`, while the break and two spaces alone would be the
+        break and `  `, a draft it refuses at its last token. So the text is
+        tokenized followed by a letter, the likeliest thing to come next, and
+        only the tokens that lie wholly inside the text are drafted (up to
+        where the tokenizer changed the text, if it did).
+        """
+        encoded, written, kept = text.encode(), b"", []
+        for token in self.tokenize(text + NEXT_WORD):
+            piece = self.piece(token)
+            if not encoded.startswith(written + piece):
+                break
+            kept.append(token)
+            written += piece
+        return kept
 
     def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> SuggeritoreDrafter:
         state = GrammarState(compiled(grammar)) if grammar is not None else None
@@ -97,7 +119,7 @@ class SuggeritoreDrafter:
                         "")
         if not text and self.line and not self.line.strip():
             text = self._closer()
-        return self.source.tokenize(text)[:limit] if text else []
+        return self.source.tokens_of(text)[:limit] if text else []
 
     def _closer(self) -> str:
         """The innermost open bracket's closer, when this line's indentation went back to its opener's line

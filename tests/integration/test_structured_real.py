@@ -61,3 +61,29 @@ def test_il_suggeritore_drafts_forced_text_and_greedy_answers_do_not_change(nati
     assert fast.tokens == plain.tokens
     jsonschema.validate(json.loads(fast.text), SCHEMAS[1])
     assert fast.finish.usage.accepted_draft_tokens >= 5
+
+
+def test_the_grammar_checks_only_the_drawn_token_and_picks_what_applying_it_everywhere_picks(backend):
+    """The sampler asks the grammar about the unconstrained draw and resamples only when it is refused;
+    greedy, every token equals the grammar-masked argmax of a chain that applies the grammar to the whole
+    vocabulary."""
+    steps = chain_steps(SamplingParams(temperature=0, grammar=schema_to_gbnf(SCHEMAS[1])))
+    checked, everywhere = backend.new_sampler(steps), backend._chain(steps)
+    refusals = []
+    allows = checked.allows
+    checked.allows = lambda api, token: allows(api, token) or refusals.append(token)
+    prompt = backend.tokenize(backend.apply_chat_template([{"role": "user", "content": "Rome's weather, in YAML."}]))
+    backend.decode(prompt, range(len(prompt)), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])
+    index, position, answer = len(prompt) - 1, len(prompt), []
+    while len(answer) < 80:
+        token = backend.sample(checked, index)
+        assert backend.sample(everywhere, index) == token, backend.detokenize(answer)
+        if backend.is_eog(token):
+            break
+        answer.append(token)
+        backend.decode([token], [position], [0], [True])
+        index, position = 0, position + 1
+    backend.free_sampler(checked)
+    backend.free_sampler(everywhere)
+    jsonschema.validate(json.loads(backend.detokenize(answer)), SCHEMAS[1])
+    assert refusals  # asked for YAML, the model's own choices were refused and drawn again

@@ -150,6 +150,26 @@ def test_the_text_a_schema_forces_is_drafted_up_to_where_the_model_chooses():
     assert not state.feed("x")
 
 
+def test_optional_whitespace_is_drafted_as_the_writer_laid_it_out_before():
+    three = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"},
+                                              "c": {"type": "string"}}, "required": ["a", "b", "c"]}
+    state = GrammarState(parse_gbnf(schema_to_gbnf(three)))
+    assert state.feed('{\n  "a": "x"')
+    assert state.habits == {"{": "\n  ", ":": " "}
+    assert state.forced_text(50) == ""  # nothing learnt yet about what follows the closing '"'
+    assert state.feed(',\n  "b": "y"')
+    assert state.habits == {"{": "\n  ", ":": " ", '"': "", ",": "\n  "}
+    assert state.forced_text(50) == ',\n  "c": "'
+    assert state.forced_text(4) == ',\n  '
+    state.feed(",\n")  # half way through the whitespace written after ',' before
+    assert state.forced_text(50) == '  "c": "'
+    state = GrammarState(parse_gbnf(schema_to_gbnf(three)))
+    state.feed('{"a":"x","b":')
+    assert state.forced_text(50) == '"'  # no whitespace after ':' last time
+    state.feed("\n")  # whitespace never written here: nothing to go on
+    assert state.forced_text(50) == ""
+
+
 def test_an_enum_forces_its_only_possible_rest():
     state = GrammarState(parse_gbnf(schema_to_gbnf({"enum": ["administrator", "user"]})))
     assert state.feed('"a')
