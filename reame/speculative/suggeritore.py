@@ -27,14 +27,16 @@ from reame.engine.grammar import GrammarState, compiled
 
 TAIL_TOKENS = 200  # prompt tokens read back for the text of the lines before the answer
 CHARS_PER_TOKEN = 4  # forced text read ahead per drafted token
+# A line start's pattern, what it predicts, and what usually follows that (see Suggeritore.tokens_of).
 LINE_PATTERNS = (
-    (re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]"), lambda m: f"{m.group(1)}{int(m.group(2)) + 1}{m.group(3)}"),
-    (re.compile(r"^([ \t]*)([-*+•])[ \t]"), lambda m: f"{m.group(1)}{m.group(2)}"),
-    (re.compile(r"^([ \t]*)\|"), lambda m: f"{m.group(1)}|"),
-    (re.compile(r"^([ \t]+)\S"), lambda m: m.group(1)),
+    (re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]"), lambda m: f"{m.group(1)}{int(m.group(2)) + 1}{m.group(3)}",
+     " x"),
+    (re.compile(r"^([ \t]*)([-*+•])[ \t]"), lambda m: f"{m.group(1)}{m.group(2)}", " x"),
+    (re.compile(r"^([ \t]*)\|"), lambda m: f"{m.group(1)}|", " x"),
+    (re.compile(r"^([ \t]+)\S"), lambda m: m.group(1), "x"),
 )
 CLOSERS = {"(": ")", "[": "]", "{": "}"}
-NEXT_WORD = "x"  # what a draft's text is tokenized before (see Suggeritore.tokens_of)
+NEXT_WORD = "x"  # what grammar-forced text is tokenized before: string content, mostly
 
 
 class Suggeritore:
@@ -49,7 +51,7 @@ class Suggeritore:
         `detokenize`: tokens to text (the backend's, all thread-safe)."""
         self.piece, self.tokenize, self.detokenize = piece, tokenize, detokenize
 
-    def tokens_of(self, text: str) -> list[int]:
+    def tokens_of(self, text: str, following: str = NEXT_WORD) -> list[int]:
         """`text` as the model would tokenize it inside the answer, as far as that is knowable.
 
         Tokenizers split text into words before they look up tokens, and where
@@ -57,12 +59,13 @@ class Suggeritore:
         model writes a line break, two spaces and `"name"` as the break, ` `,
         ` "` and `name`, while the break and two spaces alone would be the
         break and `  `, a draft it refuses at its last token. So the text is
-        tokenized followed by a letter, the likeliest thing to come next, and
-        only the tokens that lie wholly inside the text are drafted (up to
-        where the tokenizer changed the text, if it did).
+        tokenized followed by what likely comes next (`following`: after a
+        list number or a table pipe a space and a word, after indentation a
+        word), and only the tokens that lie wholly inside the text are
+        drafted (up to where the tokenizer changed the text, if it did).
         """
         encoded, written, kept = text.encode(), b"", []
-        for token in self.tokenize(text + NEXT_WORD):
+        for token in self.tokenize(text + following):
             piece = self.piece(token)
             if not encoded.startswith(written + piece):
                 break
@@ -114,12 +117,13 @@ class SuggeritoreDrafter:
         if limit <= 0:
             return []
         text = self.grammar.forced_text(limit * CHARS_PER_TOKEN) if self.grammar is not None else ""
+        following = NEXT_WORD
         if not text and self.line == "":
-            text = next((make(match) for pattern, make in LINE_PATTERNS if (match := pattern.match(self.previous))),
-                        "")
+            text, following = next(((make(match), after) for pattern, make, after in LINE_PATTERNS
+                                    if (match := pattern.match(self.previous))), ("", ""))
         if not text and self.line and not self.line.strip():
-            text = self._closer()
-        return self.source.tokens_of(text)[:limit] if text else []
+            text, following = self._closer(), "\n"
+        return self.source.tokens_of(text, following)[:limit] if text else []
 
     def _closer(self) -> str:
         """The innermost open bracket's closer, when this line's indentation went back to its opener's line

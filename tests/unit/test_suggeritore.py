@@ -103,3 +103,20 @@ def test_closing_brackets_in_code_are_drafted_and_accepted_with_identical_output
     fast, _ = run(code)
     assert fast.tokens == plain.tokens and fast.text == code
     assert fast.finish.usage.accepted_draft_tokens >= 4  # indentation three times and the "}" of the array
+
+
+def test_a_draft_is_tokenized_as_inside_the_answer_up_to_the_tokens_that_would_merge_with_what_follows():
+    vocabulary = ["|x", " x", "|", "  ", " ", "x", '"', "a"]  # longest match first, as merges would
+
+    def tokenize(text):
+        tokens = []
+        while text:
+            token = next(i for i, piece in enumerate(vocabulary) if text.startswith(piece))
+            tokens.append(token)
+            text = text[len(vocabulary[token]):]
+        return tokens
+    source = Suggeritore(lambda token: vocabulary[token].encode(), tokenize, lambda tokens: "")
+    assert source.tokens_of("|", " x") == [vocabulary.index("|")]
+    assert source.tokens_of("|", "x") == []  # "|x" is one token: the pipe alone is not what the model writes
+    assert source.tokens_of('  "', "x") == [vocabulary.index("  "), vocabulary.index('"')]
+    assert source.tokens_of("a ", "x") == [vocabulary.index("a")]  # the space goes with the word after it
