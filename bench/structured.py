@@ -20,6 +20,11 @@ Reame as configured by default (Il Suggeritore on), and llama-server.
 Ratios are per request and rep against Reame with Il Suggeritore off, and
 their median is printed; the acceptance of Il Suggeritore's drafts comes from
 the default Reame server's /metrics, counted per task.
+
+First, alone on the machine, it measures what bounds any drafting here: the
+time of one decode step carrying k tokens of one sequence, each with logits,
+against one token (a draft of k-1 tokens all accepted yields k tokens for
+that price).
 """
 
 from __future__ import annotations
@@ -141,6 +146,24 @@ def valid(text: str) -> bool:
     return True
 
 
+def step_costs(path: str, threads: int, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 16),
+               reps: int = 5) -> dict[int, float]:
+    """Fastest seconds of a decode step carrying k tokens of one sequence with logits, per k."""
+    from reame.engine.backend import LlamaBackend, ModelSettings
+    with LlamaBackend(ModelSettings(path, n_ctx=2048, n_threads=threads)) as backend:
+        context = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 30)
+        backend.decode(context, range(len(context)), [0] * len(context), [False] * len(context))
+        at = len(context)
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(reps):
+            for k in sizes:
+                started = time.perf_counter()
+                backend.decode(context[:k], range(at, at + k), [0] * k, [True] * k)
+                best[k] = min(best[k], time.perf_counter() - started)
+                backend.seq_rm(0, at, -1)
+    return best
+
+
 def start(name: str, path: str, threads: int) -> tuple[subprocess.Popen, int]:
     port = free_port()
     settings = SERVERS[name]
@@ -155,6 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     path = str(model_path(args.model))
     names = tuple(SERVERS)
+    costs = step_costs(path, args.threads)
     servers = {name: start(name, path, args.threads) for name in names}
     requests = [("extraction", EXTRACTION.format(text=text), 200, SCHEMA) for text in TEXTS]
     requests += [(task, prompt, args.tokens, None) for task, prompt in WRITING.items()]
@@ -185,6 +209,8 @@ def main() -> None:
             process.wait(60)
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
           f"greedy · reps {args.reps}\n")
+    print("one decode step of k tokens: " + ", ".join(f"k={k} {seconds * 1000:.1f} ms ({seconds / costs[1]:.2f}×)"
+                                                       for k, seconds in costs.items()) + "\n")
     rows = []
     for task in ("extraction", *WRITING):
         asked = sorted({request for request, _ in results if request.rsplit(" ", 1)[0] == task})

@@ -24,8 +24,9 @@ SCHEMAS = [
                                       "sky": {"enum": ["sunny", "cloudy", "rain", "snow"]}},
      "required": ["city", "temperature_c", "sky"]},
     {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 3},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                                           "maxItems": 2}}, "required": ["ok"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+     "required": ["ok"]},
 ]
 
 

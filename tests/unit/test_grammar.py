@@ -240,6 +240,7 @@ def test_json_object_and_a_grammar_on_completions(structured_server):
     answer = structured_server.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 20, "seed": 2,
                                                                 "grammar": 'root ::= ("yes" | "no") "."'})[1]
     assert answer["choices"][0]["text"] in ("yes.", "no.")
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
     answer = structured_server.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 50, "seed": 3,
-                                                                "json_schema": {"type": "integer", "minimum": 0, "maximum": 9}})[1]
+                                                                "json_schema": digit})[1]
     assert 0 <= json.loads(answer["choices"][0]["text"]) <= 9
