@@ -166,18 +166,19 @@ class GrammarState:
 
     Where the grammar lets whitespace come before its next character (JSON's
     `ws`), nothing is forced, yet a writer lays out its text the same way each
-    time: after `{` a newline and two spaces, after `:` one space. So the state
-    learns the whitespace written at each such place, keyed by the character
-    before it, and `forced_text` continues through such a place with the
-    whitespace written there last time.
+    time: between `{` and `"` a newline and two spaces, between `:` and `"` one
+    space, between `"` and `}` a newline. So the state learns the whitespace
+    written at each such place, keyed by the characters before and after it,
+    and `forced_text` continues through such a place with the whitespace
+    written there last time.
     """
 
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
         self.stacks = grammar.start()
-        self.habits: dict[str, str] = {}  # character -> the whitespace written after it where optional
+        self.habits: dict[str, str] = {}  # character before + character after -> the whitespace between
         self._previous = ""
-        self._layout: tuple[str, str] | None = None  # (character before, whitespace so far) being written
+        self._layout: tuple[str, str] | None = None  # (the habit's key, whitespace so far) being written
 
     def feed(self, text: str) -> bool:
         """Read emitted text; False once the grammar refuses it (then nothing more is forced)."""
@@ -185,9 +186,10 @@ class GrammarState:
         for char in text:
             if not self.stacks:
                 return False
-            if self._layout is None and grammar.forced(self.stacks) is None \
-                    and grammar.forced(self.stacks, besides_whitespace=True) is not None:
-                self._layout = (self._previous, "")
+            if self._layout is None and grammar.forced(self.stacks) is None:
+                following = grammar.forced(self.stacks, besides_whitespace=True)
+                if following is not None:
+                    self._layout = (self._previous + chr(following), "")
             if self._layout is not None:
                 if ord(char) in WHITESPACE:
                     self._layout = (self._layout[0], self._layout[1] + char)
@@ -203,13 +205,14 @@ class GrammarState:
         whitespace laid out as before."""
         grammar = self.grammar
         stacks, out = self.stacks, ""
-        before, written = self._layout if self._layout is not None else (self._previous, "")
+        before, written = (self._layout[0][:-1], self._layout[1]) if self._layout is not None \
+            else (self._previous, "")
         while stacks and len(out) < limit:
             code = grammar.forced(stacks)
             if code is None:
-                habit = self.habits.get(before)
-                code = grammar.forced(stacks, besides_whitespace=True) if habit is not None else None
-                if code is None or not habit.startswith(written):
+                code = grammar.forced(stacks, besides_whitespace=True)
+                habit = self.habits.get(before + chr(code)) if code is not None else None
+                if habit is None or not habit.startswith(written):
                     break
                 rest = habit[len(written):]
                 for char in rest:

@@ -40,6 +40,7 @@ ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
 PRIOR_ACCEPTANCE = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
 MODELLED_TOKENS = 64  # steps up to this size feed the cost model
+COST_MEMORY_STEPS = 1000  # a step size not measured for this many steps is estimated again
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
 REPROBE_STEPS = 32
 PROBE_DRAFT = 1
@@ -59,16 +60,33 @@ class CostModel:
     estimated from a line through the measured ones (with one size known, each extra token is
     assumed to cost PRIOR_SLOPE of it), so the controller reaches for longer drafts only as far
     as what it has seen justifies, and learns each size's real cost when it first uses it.
+
+    A size's cost is only measured when drafts use it, so one too slow a measurement could
+    keep the controller off that size, and the sizes past it, for good. Two things prevent
+    it: a size's first step is not counted (llama.cpp builds the graph for a new batch shape
+    then: 5-10% slower here), and a size not measured in the last COST_MEMORY_STEPS steps is
+    forgotten and estimated again from the others, so it gets tried again.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds: dict[int, float] = {}
+        self._measured_at: dict[int, int] = {}  # size -> the step it was last measured at
+        self._steps = 0
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens > MODELLED_TOKENS or seconds <= 0:
             return  # a long prefill step says little about the small steps drafts make
         with self._lock:
+            self._steps += 1
+            for size, step in list(self._measured_at.items()):
+                if self._steps - step > COST_MEMORY_STEPS and size != n_tokens:
+                    del self._measured_at[size]
+                    self._seconds.pop(size, None)
+            first = n_tokens not in self._measured_at
+            self._measured_at[n_tokens] = self._steps
+            if first:
+                return  # the new shape's graph was built in this step
             known = self._seconds.get(n_tokens)
             self._seconds[n_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 

@@ -20,11 +20,14 @@ simply rejected, and the controller learns how often that happens).
 from __future__ import annotations
 
 import codecs
+import collections
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 from reame.engine.grammar import GrammarState, compiled
 
+REMEMBERED_GRAMMARS = 64  # grammars whose answers' whitespace is remembered
 TAIL_TOKENS = 200  # prompt tokens read back for the text of the lines before the answer
 CHARS_PER_TOKEN = 4  # forced text read ahead per drafted token
 # A line start's pattern, what it predicts, and what usually follows that (see Suggeritore.tokens_of).
@@ -50,6 +53,10 @@ class Suggeritore:
         """`piece`: a token's bytes; `tokenize`: text to tokens without BOS or special tokens;
         `detokenize`: tokens to text (the backend's, all thread-safe)."""
         self.piece, self.tokenize, self.detokenize = piece, tokenize, detokenize
+        # Per grammar, the whitespace the latest answer wrote where the grammar left it open: the next
+        # answer to the same schema starts from it (the same model lays the same JSON out the same way).
+        self._layouts: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def tokens_of(self, text: str, following: str = NEXT_WORD) -> list[int]:
         """`text` as the model would tokenize it inside the answer, as far as that is knowable.
@@ -75,7 +82,18 @@ class Suggeritore:
 
     def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> SuggeritoreDrafter:
         state = GrammarState(compiled(grammar)) if grammar is not None else None
-        return SuggeritoreDrafter(self, self.detokenize(prompt[-TAIL_TOKENS:]), state)
+        if state is not None:
+            with self._lock:
+                state.habits.update(self._layouts.get(grammar, {}))
+        return SuggeritoreDrafter(self, self.detokenize(prompt[-TAIL_TOKENS:]), state, grammar)
+
+    def remember(self, grammar: str, habits: dict[str, str]) -> None:
+        """Keep an answer's whitespace habits for the next answer to `grammar` (the latest few grammars)."""
+        with self._lock:
+            self._layouts[grammar] = dict(habits)
+            self._layouts.move_to_end(grammar)
+            while len(self._layouts) > REMEMBERED_GRAMMARS:
+                self._layouts.popitem(last=False)
 
     def warm_up(self) -> None:
         pass
@@ -85,8 +103,10 @@ class Suggeritore:
 
 
 class SuggeritoreDrafter:
-    def __init__(self, source: Suggeritore, text: str, grammar: GrammarState | None) -> None:
+    def __init__(self, source: Suggeritore, text: str, grammar: GrammarState | None,
+                 grammar_text: str | None = None) -> None:
         self.source = source
+        self.grammar_text = grammar_text
         self.line = text.rsplit("\n", 1)[-1]  # the line being written
         self.previous = text.rsplit("\n", 2)[-2] if "\n" in text else ""  # the line before it
         self.grammar = grammar
@@ -135,7 +155,8 @@ class SuggeritoreDrafter:
         return closer if returned else ""
 
     def close(self) -> None:
-        pass
+        if self.grammar is not None and self.grammar_text is not None and self.grammar.habits:
+            self.source.remember(self.grammar_text, self.grammar.habits)
 
 
 def indentation(line: str) -> str:

@@ -11,7 +11,7 @@ from reame.speculative import CostModel, DraftController, PromptLookup, Speculat
 from reame.speculative.controller import REPROBE_STEPS
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel, confidence
 
-from .test_speculative import COPY_TEXT, GREEDY, FrozenCost, copying_rule
+from .test_speculative import COPY_TEXT, GREEDY, FrozenCost, copying_rule, measured
 
 
 def draft_backend(rule=copying_rule, n_seq_max=1):
@@ -141,7 +141,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
 def test_a_source_whose_drafting_costs_more_than_it_saves_stays_off_and_is_probed_rarely():
     cost = CostModel()
     for n in range(1, 10):
-        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))  # verification is cheap: drafts would pay if free
+        measured(cost, n, 0.1 * (1 + 0.3 * (n - 1)))  # verification is cheap: drafts would pay if free
     free, dear = DraftController(max_draft=8, prior=0.9), DraftController(max_draft=8, prior=0.9)
     assert free.draft_length(cost, 1, seconds_per_draft=0.0) > 0
     assert dear.draft_length(cost, 1, seconds_per_draft=0.2) == 0, "drafting a token costs two steps"

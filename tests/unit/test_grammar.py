@@ -155,10 +155,10 @@ def test_optional_whitespace_is_drafted_as_the_writer_laid_it_out_before():
                                               "c": {"type": "string"}}, "required": ["a", "b", "c"]}
     state = GrammarState(parse_gbnf(schema_to_gbnf(three)))
     assert state.feed('{\n  "a": "x"')
-    assert state.habits == {"{": "\n  ", ":": " "}
+    assert state.habits == {'{"': "\n  ", ':"': " "}
     assert state.forced_text(50) == ""  # nothing learnt yet about what follows the closing '"'
     assert state.feed(',\n  "b": "y"')
-    assert state.habits == {"{": "\n  ", ":": " ", '"': "", ",": "\n  "}
+    assert state.habits == {'{"': "\n  ", ':"': " ", '",': "", ',"': "\n  "}
     assert state.forced_text(50) == ',\n  "c": "'
     assert state.forced_text(4) == ',\n  '
     state.feed(",\n")  # half way through the whitespace written after ',' before

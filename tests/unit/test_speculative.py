@@ -8,7 +8,7 @@ import pytest
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
-from reame.speculative.controller import REPROBE_STEPS, expected_tokens
+from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expected_tokens
 
 COPY_TEXT = "the cat sat on the mat and the dog sat on the log; "
 
@@ -22,6 +22,14 @@ def copying_rule(history):
             logits[ord("z")] = 0.0  # rarely, something new
             return logits
     return default_rule(history)
+
+
+def measured(cost, n_tokens, *seconds):
+    """Steps of `n_tokens` took `seconds`; the cost model skips a size's first step (llama.cpp builds the
+    new shape's graph in it), so one is shown first."""
+    cost.observe(n_tokens, 99.0)
+    for value in seconds:
+        cost.observe(n_tokens, value)
 
 
 class FrozenCost(CostModel):
@@ -210,7 +218,7 @@ def test_the_same_test_fails_a_verifier_that_accepts_every_draft():
 def test_the_controller_switches_off_for_useless_drafts_and_back_on_when_they_pay():
     cost = CostModel()
     for n in range(1, 10):  # a CPU: each extra token costs 30% of a step
-        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))
+        measured(cost, n, 0.1 * (1 + 0.3 * (n - 1)))
     controller = DraftController(max_draft=8)
     assert controller.draft_length(cost, 1) > 0, "a 0.6 acceptance prior pays"
     for _ in range(6):
@@ -227,7 +235,7 @@ def test_the_controller_switches_off_for_useless_drafts_and_back_on_when_they_pa
 def test_a_free_source_is_never_probed_it_learns_from_the_guesses_it_did_not_verify():
     cost = CostModel()
     for n in range(1, 10):
-        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))
+        measured(cost, n, 0.1 * (1 + 0.3 * (n - 1)))
     controller = DraftController(max_draft=8, probes=False)
     for _ in range(6):
         controller.verified(4, 0)
@@ -255,10 +263,11 @@ def test_expected_tokens_and_the_measured_step_costs():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     cost = CostModel()
     assert cost.step_seconds(3) is None
+    cost.observe(1, 0.05)
+    assert cost.step_seconds(3) is None, "a size's first step is not counted: its graph was built then"
     cost.observe(1, 0.04)
     assert cost.step_seconds(5) == pytest.approx(0.04 * 3), "one size known: extra tokens cost half of it"
-    cost.observe(4, 0.08)
-    cost.observe(4, 0.18)
+    measured(cost, 4, 0.08, 0.18)
     assert cost.step_seconds(4) == pytest.approx(0.08 + 0.2 * 0.1)
     assert cost.step_seconds(7) == pytest.approx(0.1 + 0.02 * 3), "beyond: the line through what was measured"
     assert cost.step_seconds(1) == 0.04
@@ -268,8 +277,8 @@ def test_costs_below_every_measured_size_and_long_prefills_stay_sane():
     """The first decode after a short prompt knows only the prompt's step: no zero, no negative cost."""
     for prompt_tokens in (2, 3, 9, 40):
         cost = CostModel()
-        cost.observe(prompt_tokens, 0.3)
-        cost.observe(500, 9.0)  # a long prefill is not modelled
+        measured(cost, prompt_tokens, 0.3)
+        measured(cost, 500, 9.0)  # a long prefill is not modelled
         assert all(cost.step_seconds(n) > 0 for n in range(1, 40))
         assert DraftController(max_draft=16).draft_length(cost, 1) >= 0
     assert CostModel().step_seconds(1) is None
@@ -326,9 +335,21 @@ def test_only_decode_steps_teach_the_cost_model():
 def test_a_draft_beside_other_streams_must_pay_for_slowing_them_all():
     cost = CostModel()
     for n in range(1, 12):
-        cost.observe(n, 0.1 * (1 + 0.3 * (n - 1)))  # each extra row costs 30% of a one-token step
+        measured(cost, n, 0.1 * (1 + 0.3 * (n - 1)))  # each extra row costs 30% of a one-token step
     alone = DraftController(max_draft=8, prior=0.6)
     crowded = DraftController(max_draft=8, prior=0.6)
     assert alone.draft_length(cost, 1, batch_yield=1) > 0
     assert crowded.draft_length(cost, 4, batch_yield=4) == 0, "(3 + E) / 4 tokens for a 16% longer step: a loss"
     assert DraftController(max_draft=8, prior=0.98).draft_length(cost, 4, batch_yield=4) > 0
+
+
+def test_a_size_measured_too_slow_once_is_forgotten_and_tried_again():
+    cost = CostModel()
+    measured(cost, 1, 0.1)
+    measured(cost, 2, 0.5)  # a hiccup: drafting one token now looks five times as dear
+    controller = DraftController(max_draft=8, prior=0.95, probes=False)
+    assert controller.draft_length(cost, 1) == 0
+    for _ in range(COST_MEMORY_STEPS + 1):
+        cost.observe(1, 0.1)  # plain steps go on; size 2 is never used, so never measured again
+    assert cost.step_seconds(2) == pytest.approx(0.15), "forgotten: estimated from one-token steps again"
+    assert controller.draft_length(cost, 1) > 0

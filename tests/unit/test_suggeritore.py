@@ -120,3 +120,25 @@ def test_a_draft_is_tokenized_as_inside_the_answer_up_to_the_tokens_that_would_m
     assert source.tokens_of("|", "x") == []  # "|x" is one token: the pipe alone is not what the model writes
     assert source.tokens_of('  "', "x") == [vocabulary.index("  "), vocabulary.index('"')]
     assert source.tokens_of("a ", "x") == [vocabulary.index("a")]  # the space goes with the word after it
+
+
+def test_the_next_answer_to_the_same_schema_starts_from_the_layout_of_the_last():
+    answer = '{\n  "invoice_number": "A-17",\n  "total_amount": 420,\n  "currency": "EUR"\n}'
+    backend = FakeBackend(n_ctx=2048, n_batch=256, rule=writes(answer))
+    source = suggeritore(backend)
+    grammar = schema_to_gbnf(SCHEMA)
+    with Engine(backend, speculation=Speculation(source, max_draft=16, cost=FrozenCost())) as engine:
+        first, second = (engine.generate(GenerationRequest("answer>", SamplingParams(temperature=0, max_tokens=300,
+                                                                                      grammar=grammar)))
+                         for _ in range(2))
+    assert first.text == second.text == answer
+    # The first answer learns where the whitespace goes; the second knows from the start, so the line
+    # breaks and indentation after '{' and the first ',' are drafted too, and no draft is refused.
+    usage = second.finish.usage
+    assert usage.accepted_draft_tokens == usage.draft_tokens >= first.finish.usage.accepted_draft_tokens + 6
+    backend = FakeBackend(n_ctx=2048, n_batch=256, rule=writes(answer))
+    other = suggeritore(backend).drafter([], grammar)
+    assert other.grammar.habits == {}  # a new source knows nothing
+    remembered = source.drafter([], grammar)
+    # (Not before the number or after it: there the grammar leaves more than whitespace open.)
+    assert remembered.grammar.habits == {'{"': "\n  ", ':"': " ", '",': "", ',"': "\n  ", '"}': "\n"}
