@@ -19,7 +19,10 @@ Reame as configured by default (Il Suggeritore on), and llama-server.
 
 Ratios are per request and rep against Reame with Il Suggeritore off, and
 their median is printed; the acceptance of Il Suggeritore's drafts comes from
-the default Reame server's /metrics, counted per task.
+the default Reame server's /metrics, counted per task. "ceiling" is the
+speed-up over plain decoding that the default server's drafts (every
+source's) allow at the step costs measured below, with no other overhead:
+what this machine lets drafting reach on that work.
 
 First, alone on the machine, it measures what bounds any drafting here: the
 time of one decode step carrying k tokens of one sequence, each with logits,
@@ -119,17 +122,39 @@ def chat(port: int, prompt: str, max_tokens: int, schema: dict | None) -> tuple[
     return "".join(pieces), tokens, last - sent, speed
 
 
-def suggeritore_counts(port: int) -> tuple[float, float]:
-    """(drafted, accepted) tokens Il Suggeritore has proposed so far, from /metrics."""
+def speculation_counts(port: int) -> dict[str, float]:
+    """Counters from /metrics: Il Suggeritore's drafted and accepted tokens, every source's, and the
+    steps that verified drafts."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     connection.close()
-    counts = {}
+    counts = dict.fromkeys(("drafted", "accepted", "all drafted", "all accepted", "steps"), 0.0)
     for what in ("drafted", "accepted"):
-        match = re.search(rf'^reame_spec_decode_{what}_total{{source="suggeritore"}} (\S+)$', text, re.MULTILINE)
-        counts[what] = float(match.group(1)) if match else 0.0
-    return counts["drafted"], counts["accepted"]
+        for source, value in re.findall(rf'^reame_spec_decode_{what}_total{{source="(\w+)"}} (\S+)$', text, re.M):
+            counts[f"all {what}"] += float(value)
+            if source == "suggeritore":
+                counts[what] += float(value)
+    steps = re.search(r'^reame_spec_decode_steps_total{kind="speculative"} (\S+)$', text, re.M)
+    counts["steps"] = float(steps.group(1)) if steps else 0.0
+    return counts
+
+
+def ceiling(tokens: float, counts: dict[str, float], costs: dict[int, float]) -> float:
+    """The speed-up over plain decoding these drafts allow at the measured step costs, with no other
+    overhead: plain steps yield one token each; the verifying steps yield their accepted drafts and one
+    more, each costing a step of 1 + (mean draft length) tokens."""
+    steps = counts["steps"]
+    if not steps:
+        return 1.0
+    size = 1 + counts["all drafted"] / steps
+    sizes = sorted(costs)
+    below = max((k for k in sizes if k <= size), default=sizes[0])
+    above = min((k for k in sizes if k >= size), default=sizes[-1])
+    share = 0.0 if above == below else (size - below) / (above - below)
+    relative = (costs[below] + share * (costs[above] - costs[below])) / costs[1]
+    plain_steps = tokens - counts["all accepted"] - steps
+    return tokens / (plain_steps + steps * relative)
 
 
 def valid(text: str) -> bool:
@@ -184,7 +209,8 @@ def main() -> None:
     requests += [(task, prompt, args.tokens, None) for task, prompt in WRITING.items()]
     results: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
     invalid: dict[str, int] = dict.fromkeys(names, 0)
-    acceptance: dict[str, list[float]] = {}
+    counted: dict[str, dict[str, float]] = {}  # per task: the default server's counters, summed
+    generated: dict[str, float] = {}  # per task: tokens the default server generated
     try:
         for name, (process, port) in servers.items():
             wait_ready(port, process, timeout_s=300)
@@ -194,12 +220,14 @@ def main() -> None:
                 turn = (rep + index) % len(names)
                 for name in names[turn:] + names[:turn]:
                     port = servers[name][1]
-                    before = suggeritore_counts(port) if name == "reame" else None
+                    before = speculation_counts(port) if name == "reame" else None
                     text, tokens, wall, speed = chat(port, prompt, max_tokens, schema)
                     if before is not None:
-                        after = suggeritore_counts(port)
-                        drafted, accepted = acceptance.setdefault(task, [0.0, 0.0])
-                        acceptance[task] = [drafted + after[0] - before[0], accepted + after[1] - before[1]]
+                        after = speculation_counts(port)
+                        sums = counted.setdefault(task, dict.fromkeys(after, 0.0))
+                        for key in after:
+                            sums[key] += after[key] - before[key]
+                        generated[task] = generated.get(task, 0.0) + tokens
                     if schema is not None and not valid(text):
                         invalid[name] += 1
                     results.setdefault((f"{task} {index}", name), []).append((tokens, wall, speed))
@@ -220,13 +248,14 @@ def main() -> None:
             wall_ratio = statistics.median(b[1] / m[1] for m, b in zip(mine, base))
             speed_ratio = statistics.median(m[2] / b[2] for m, b in zip(mine, base))
             tokens = statistics.mean(m[0] for m in mine)
-            drafted, accepted = acceptance.get(task, [0.0, 0.0]) if name == "reame" else (0.0, 0.0)
+            counts = counted.get(task) if name == "reame" else None
             rows.append([task, name, f"{tokens:.0f}", f"{statistics.median(m[1] for m in mine):.2f}",
                          f"{statistics.median(m[2] for m in mine):.1f}", f"{wall_ratio:.2f}", f"{speed_ratio:.2f}",
-                         f"{accepted:.0f}/{drafted:.0f}" if drafted else "",
+                         f"{counts['accepted']:.0f}/{counts['drafted']:.0f}" if counts else "",
+                         f"{ceiling(generated[task], counts, costs):.2f}" if counts else "",
                          str(invalid[name]) if task == "extraction" else ""])
     print_table(["task", "server", "tokens", "wall s", "decode tok/s", "speed-up (wall)", "speed-up (tok/s)",
-                 "Suggeritore accepted/drafted", "invalid"], rows)
+                 "Suggeritore accepted/drafted", "ceiling", "invalid"], rows)
 
 
 if __name__ == "__main__":
