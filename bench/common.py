@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,3 +84,39 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         print(line(row))
+
+
+@dataclass
+class Streamed:
+    """One streamed answer as the client saw it."""
+
+    text: str
+    tokens: int  # usage.completion_tokens (the request must ask for include_usage)
+    first: float  # perf_counter() when the first text arrived
+    last: float  # … and the last
+
+    @property
+    def decode_speed(self) -> float:
+        """Tokens per second between the first and the last piece of text."""
+        return (self.tokens - 1) / (self.last - self.first) if self.last > self.first and self.tokens > 1 else 0.0
+
+
+def read_stream(lines: Iterable[bytes]) -> Streamed:
+    """Read a completions or chat completions SSE stream to its end."""
+    pieces: list[str] = []
+    first = last = 0.0
+    tokens = 0
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if piece:
+            pieces.append(piece)
+            last = time.perf_counter()
+            first = first or last
+    return Streamed("".join(pieces), tokens, first, last)

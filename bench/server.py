@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, server_command, summary
+from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command, summary
 
 from reame.native import LLAMA_COMMIT
 
@@ -63,21 +63,9 @@ def stream_once(port: int, n_tokens: int, tag: str) -> tuple[float, float]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
     connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    first = last = 0.0
-    tokens = 0
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        if chunk.get("choices") and chunk["choices"][0].get("text"):
-            last = time.perf_counter()
-            first = first or last
+    answer = read_stream(connection.getresponse())
     connection.close()
-    return first - started, (tokens - 1) / (last - first) if last > first else 0.0
+    return answer.first - started, answer.decode_speed
 
 
 def main() -> None:

@@ -25,10 +25,9 @@ import json
 import os
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, server_command
+from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -68,20 +67,9 @@ def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
                        "stream_options": {"include_usage": True}})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-    first = last = 0.0
-    tokens = 0
-    for raw in connection.getresponse():
-        line = raw.strip()
-        if not line.startswith(b"data: {"):
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-            last = time.perf_counter()
-            first = first or last
+    speed = read_stream(connection.getresponse()).decode_speed
     connection.close()
-    return (tokens - 1) / (last - first) if last > first else 0.0
+    return speed
 
 
 def start(name: str, path: str, draft: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:

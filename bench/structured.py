@@ -41,7 +41,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, server_command
+from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -102,24 +102,9 @@ def chat(port: int, prompt: str, max_tokens: int, schema: dict | None) -> tuple[
     response = connection.getresponse()
     if response.status != 200:
         raise SystemExit(f"port {port} answered {response.status}: {response.read()[:300]!r}")
-    first = last = 0.0
-    tokens = 0
-    pieces = []
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data: {"):
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        content = chunk["choices"][0].get("delta", {}).get("content") if chunk.get("choices") else None
-        if content:
-            pieces.append(content)
-            last = time.perf_counter()
-            first = first or last
+    answer = read_stream(response)
     connection.close()
-    speed = (tokens - 1) / (last - first) if last > first and tokens > 1 else 0.0
-    return "".join(pieces), tokens, last - sent, speed
+    return answer.text, answer.tokens, answer.last - sent, answer.decode_speed
 
 
 def speculation_counts(port: int) -> dict[str, float]:
