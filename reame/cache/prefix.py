@@ -29,7 +29,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from reame.cache.store import DiskStore, Snapshot, pack_tokens
+from reame.cache.store import DiskStore, Snapshot
+from reame.files import pack_tokens
 
 log = logging.getLogger("reame.cache")
 

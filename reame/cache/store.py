@@ -21,13 +21,10 @@ counted, for the processes that can.
 
 from __future__ import annotations
 
-import array
-import fcntl
 import logging
 import mmap
 import os
 import struct
-import sys
 import threading
 import time
 import zlib
@@ -38,6 +35,7 @@ from pathlib import Path
 from reame.cache import codec
 from reame.cache.codec import CodecUnavailable
 from reame.errors import CacheError
+from reame.files import FileLock, pack_tokens, unpack_tokens
 
 log = logging.getLogger("reame.cache")
 
@@ -67,21 +65,6 @@ class Snapshot:
 
     tokens: tuple[int, ...]
     blob: bytes | memoryview
-
-
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    packed = array.array("i", tokens)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_tokens(data: bytes) -> tuple[int, ...]:
-    values = array.array("i")
-    values.frombytes(data)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return tuple(values)
 
 
 def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list[bytes | memoryview]:
@@ -354,8 +337,8 @@ class DiskStore:
             total -= size
             self._count("evictions", 1)
 
-    def _locked(self) -> _FileLock:
-        return _FileLock(self.directory / LOCK_NAME)
+    def _locked(self) -> FileLock:
+        return FileLock(self.directory / LOCK_NAME)
 
 
 def _process_alive(pid: int) -> bool:
@@ -366,20 +349,3 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class _FileLock:
-    """An exclusive flock on a file, for the duration of a with-block."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd = -1
-
-    def __enter__(self) -> _FileLock:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
