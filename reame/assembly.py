@@ -23,6 +23,7 @@ from reame.server.sessions import Sessions
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
+from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
 from reame.speculative.suggeritore import Suggeritore
 
 log = logging.getLogger("reame")
@@ -85,6 +86,10 @@ def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | 
         sources.append(Suggeritore(backend.token_piece,
                                    lambda text: backend.tokenize(text, add_special=False, parse_special=False),
                                    backend.detokenize))
+    if options.palimpsest:
+        sources.append(Palimpsest(options.palimpsest_directory,
+                                  lambda: vocabulary_hash(backend.token_piece, backend.n_vocab),
+                                  options.palimpsest_budget_bytes))
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
     if options.draft_model:

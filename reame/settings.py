@@ -70,6 +70,9 @@ class SpeculativeOptions:
     enabled: bool
     lookup: bool
     suggeritore: bool
+    palimpsest: bool
+    palimpsest_directory: Path
+    palimpsest_budget_bytes: int
     draft_model: str
     draft_min_probability: float
     max_draft_tokens: int
@@ -104,6 +107,7 @@ def from_values(values: dict[str, Value]) -> Settings:
         return values[name].value
 
     cache_dir = get("cache.dir")
+    palimpsest_dir = get("speculative.palimpsest_dir")
     return Settings(
         log_level=get("logging.level"),
         model=ModelOptions(get("model.path"), get("model.context_length"), get("model.threads"), get("model.batch"),
@@ -127,7 +131,9 @@ def from_values(values: dict[str, Value]) -> Settings:
             compress=get("cache.compress")),
         speculative=SpeculativeOptions(
             enabled=get("speculative.enabled"), lookup=get("speculative.lookup"),
-            suggeritore=get("speculative.suggeritore"),
+            suggeritore=get("speculative.suggeritore"), palimpsest=get("speculative.palimpsest"),
+            palimpsest_directory=Path(palimpsest_dir).expanduser() if palimpsest_dir else cache_root() / "palimpsest",
+            palimpsest_budget_bytes=int(get("speculative.palimpsest_mb") * 2**20),
             draft_model=get("speculative.draft_model"),
             draft_min_probability=get("speculative.draft_min_probability"),
             max_draft_tokens=get("speculative.max_draft_tokens"),

@@ -46,6 +46,7 @@ REPROBE_STEPS = 32
 PROBE_DRAFT = 1
 PROBE_BUDGET = 0.02  # share of the plain steps' time a re-probe may cost
 MIN_GAIN = 1.02  # below this expected speed-up, drafting is not worth its risk
+EXPLORE_MARGIN = 1.15  # an unmeasured size is tried when, at its least possible cost, it would gain this much more
 
 
 class CostModel:
@@ -95,9 +96,15 @@ class CostModel:
         curve = self.curve(n_tokens, n_tokens)
         return curve[0] if curve is not None else None
 
-    def curve(self, first: int, last: int) -> list[float] | None:
+    def measured(self, n_tokens: int) -> bool:
+        with self._lock:
+            return n_tokens in self._seconds
+
+    def curve(self, first: int, last: int, optimistic: bool = False) -> list[float] | None:
         """T(n) for n = first..last, measured or estimated (one fit for all: the controller asks every
-        step); None before any step was seen."""
+        step); None before any step was seen. `optimistic`: an unmeasured size costs what the largest
+        smaller measured size costs, the least it can cost (matrix kernels switch to faster tiles at
+        some sizes: on this machine 16 tokens cost 6x one token, 8 tokens 5x)."""
         with self._lock:
             seconds = dict(self._seconds)
         if not seconds:
@@ -121,6 +128,8 @@ class CostModel:
                 times.append(seconds[n])
             elif n < smallest:  # below everything measured: at least proportionally cheaper
                 times.append(seconds[smallest] * n / smallest)
+            elif optimistic:
+                times.append(below)
             else:  # never cheaper than a smaller size already measured
                 times.append(max(line_t + slope * (n - line_n), below))
         return times
@@ -166,6 +175,9 @@ class DraftController:
             gain = step_yield / batch_yield * base / (times[k] + k * seconds_per_draft)
             if gain > best_gain:
                 best_k, best_gain = k, gain
+        explored = self._explore(cost, batch_tokens, seconds_per_draft, batch_yield, max(best_gain, MIN_GAIN))
+        if explored:
+            return explored
         if best_k == 0 and self.probes:
             self._plain_steps += 1
             probe = min(PROBE_DRAFT, self.max_draft)
@@ -174,6 +186,25 @@ class DraftController:
             if self._plain_steps >= max(REPROBE_STEPS, probe_cost * batch_yield / (PROBE_BUDGET * base)):
                 self._plain_steps = 0
                 best_k = probe
+        return best_k
+
+    def _explore(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float, batch_yield: float,
+                 to_beat: float) -> int:
+        """A draft length whose step size was never measured and that would beat `to_beat` by
+        EXPLORE_MARGIN even at the least such a step can cost; 0 when there is none. Trying it once
+        measures it: without this, sizes past the measured ones are extrapolated from a line through
+        them, and cheaper tiles further on are never found."""
+        times = cost.curve(batch_tokens, batch_tokens + self.max_draft, optimistic=True)
+        if times is None:
+            return 0
+        acceptance, best_k, best_gain = self.acceptance, 0, to_beat * EXPLORE_MARGIN
+        for k in range(1, self.max_draft + 1):
+            if cost.measured(batch_tokens + k):
+                continue
+            step_yield = batch_yield - 1 + expected_tokens(acceptance, k)
+            gain = step_yield / batch_yield * times[0] / (times[k] + k * seconds_per_draft)
+            if gain > best_gain:
+                best_k, best_gain = k, gain
         return best_k
 
     def verified(self, drafted: int, accepted: int) -> None:

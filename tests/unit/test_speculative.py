@@ -42,7 +42,10 @@ class FrozenCost(CostModel):
     def observe(self, n_tokens, seconds):
         pass
 
-    def curve(self, first, last):
+    def measured(self, n_tokens):
+        return True
+
+    def curve(self, first, last, optimistic=False):
         return [1.0 + self.per_token * (n - 1) for n in range(first, last + 1)]
 
 
@@ -347,9 +350,22 @@ def test_a_size_measured_too_slow_once_is_forgotten_and_tried_again():
     cost = CostModel()
     measured(cost, 1, 0.1)
     measured(cost, 2, 0.5)  # a hiccup: drafting one token now looks five times as dear
-    controller = DraftController(max_draft=8, prior=0.95, probes=False)
+    controller = DraftController(max_draft=1, prior=0.95, probes=False)
     assert controller.draft_length(cost, 1) == 0
     for _ in range(COST_MEMORY_STEPS + 1):
         cost.observe(1, 0.1)  # plain steps go on; size 2 is never used, so never measured again
     assert cost.step_seconds(2) == pytest.approx(0.15), "forgotten: estimated from one-token steps again"
     assert controller.draft_length(cost, 1) > 0
+
+
+def test_an_unmeasured_longer_draft_is_tried_once_when_even_its_least_cost_would_pay_much_more():
+    cost = CostModel()
+    for n in range(1, 8):
+        measured(cost, n, 0.1 * n)  # up to 7 tokens, every token costs a whole step: no draft pays
+    controller = DraftController(max_draft=16, prior=0.95, probes=False)
+    k = controller.draft_length(cost, 1)
+    assert k == 16, "17 tokens could cost as little as 7: worth one try"
+    measured(cost, 17, 0.6)  # it did not: 17 tokens for six one-token steps
+    assert controller.draft_length(cost, 1) == 16, "measured, it pays: kept"
+    poor = DraftController(max_draft=16, prior=0.1, probes=False)
+    assert poor.draft_length(cost, 1) == 0, "drafts that fail are not tried at any length"

@@ -1,0 +1,231 @@
+"""The Palimpsest: drafts from everything this server (and its siblings) generated before.
+
+Narrow, repetitive work repeats itself: the same request tomorrow, the same
+template over another product, the same boilerplate in every answer. Every
+finished generation is appended with the end of its prompt to the archive
+(`archive.py`: on disk, per tokenizer, shared by processes, kept across
+restarts), and a sequence drafts the continuation that followed its own last
+tokens there before.
+
+The index is LZ77's hash chains over one flat array of tokens (records
+separated by SEPARATOR): for a key (the last SHORT or LONG tokens), `head`
+holds the newest position that followed it and `chain` links each position
+to the previous one with the same key; 4 bytes per token per key length and
+no per-key objects, so millions of tokens fit a small machine. A lookup walks
+the LONG key's chain first (the end of a prompt the archive saw whole, the
+middle of a repeated answer) and then the SHORT one's; each candidate is
+checked token by token (keys are hashes) and scored by how far back it
+matches the context. Among the candidates that match furthest, the draft
+follows the most frequent continuation, token by token, and never crosses
+into the next record.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from reame.speculative.archive import Archive
+
+log = logging.getLogger("reame.palimpsest")
+
+SHORT, LONG = 3, 12  # key lengths in tokens
+TABLE_BITS = 20  # head table entries per key length: 2^20 (4 MiB each)
+MAX_CHAIN = 48  # candidates looked at per key length and lookup
+MATCH_WINDOW = 64  # how far back a candidate's match with the context is measured
+PROMPT_TOKENS = 512  # the end of a prompt kept with its answer
+SEPARATOR = -1  # between records in the flat array: no key spans it, no draft crosses it
+SYNC_SECONDS = 1.0  # fsync and read what other processes appended at this interval
+
+
+class ContinuationIndex:
+    """Hash chains over the archived tokens. Appended to by one thread at a time (the Palimpsest holds
+    its lock); read by the engine thread under the same lock."""
+
+    def __init__(self) -> None:
+        self.tokens = array.array("i")
+        self._mask = (1 << TABLE_BITS) - 1
+        self._heads = {n: array.array("i", [-1]) * (1 << TABLE_BITS) for n in (SHORT, LONG)}
+        self._chains = {n: array.array("i") for n in (SHORT, LONG)}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, record: Sequence[int]) -> None:
+        """Index one record: every position after at least SHORT of its tokens becomes a continuation."""
+        tokens = self.tokens
+        start = len(tokens)
+        tokens.extend(record)
+        tokens.append(SEPARATOR)
+        for n, chain in self._chains.items():
+            head, mask = self._heads[n], self._mask
+            chain.extend([-1] * (len(tokens) - len(chain)))
+            for position in range(start + n, len(tokens) - 1):
+                key = hash(tuple(tokens[position - n:position])) & mask
+                chain[position] = head[key]
+                head[key] = position
+
+    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that most often followed the longest archived match of `context`'s end."""
+        if limit <= 0 or len(context) < SHORT:
+            return []
+        tail = list(context[-MATCH_WINDOW:])
+        best, candidates = 0, []
+        for n in (LONG, SHORT):
+            if len(tail) < n:
+                continue
+            key = tuple(tail[-n:])
+            position = self._heads[n][hash(key) & self._mask]
+            chain, tokens = self._chains[n], self.tokens
+            for _ in range(MAX_CHAIN):
+                if position < 0:
+                    break
+                if tuple(tokens[position - n:position]) == key:
+                    length = self._match_length(tail, position, n)
+                    if length > best:
+                        best, candidates = length, [position]
+                    elif length == best:
+                        candidates.append(position)
+                position = chain[position]
+            if candidates:
+                break  # the long key found something: the short one can only match less far back
+        return self._most_frequent(candidates, limit)
+
+    def _match_length(self, tail: list[int], position: int, known: int) -> int:
+        tokens, length = self.tokens, known
+        while length < len(tail) and position - length - 1 >= 0:
+            token = tokens[position - length - 1]
+            if token != tail[-length - 1] or token == SEPARATOR:
+                break
+            length += 1
+        return length
+
+    def _most_frequent(self, candidates: list[int], limit: int) -> list[int]:
+        tokens, draft = self.tokens, []
+        while candidates and len(draft) < limit:
+            counts = collections.Counter(tokens[p] for p in candidates if tokens[p] != SEPARATOR)
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)  # among equals the newest: counted first
+            draft.append(token)
+            candidates = [p + 1 for p in candidates if tokens[p] == token]
+        return draft
+
+
+class Palimpsest:
+    """The draft source (`name` "palimpsest"); free: a lookup reads a few array entries.
+
+    A background thread reads the archive into the index, then wakes every SYNC_SECONDS (or when a
+    generation ended) to append the finished generations, fsync them, and read what other processes
+    appended. Until the first read is done it drafts nothing. A finished generation is indexed at once,
+    so the next request drafts from it; it reaches the disk within a second."""
+
+    name = "palimpsest"
+    free = True
+
+    def __init__(self, directory: Path, vocabulary: Callable[[], bytes], budget_bytes: int) -> None:
+        """`vocabulary`: the tokenizer's 32-byte hash (computed on the background thread: it reads every
+        token's text)."""
+        self.directory, self._vocabulary, self.budget_bytes = directory, vocabulary, budget_bytes
+        self._lock = threading.Lock()
+        self._index: ContinuationIndex | None = None
+        self._pending: list[list[int]] = []  # finished generations not appended to the archive yet
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.loaded = threading.Event()  # set once the archive was read (or could not be)
+        self._thread = threading.Thread(target=self._run, name="reame-palimpsest", daemon=True)
+        self._thread.start()
+
+    def tokens_archived(self) -> int:
+        with self._lock:
+            return len(self._index) if self._index is not None else 0
+
+    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> PalimpsestDrafter:
+        return PalimpsestDrafter(self, prompt)
+
+    def continuation(self, context: Sequence[int], limit: int) -> list[int]:
+        with self._lock:
+            return self._index.continuation(context, limit) if self._index is not None else []
+
+    def record(self, tokens: Sequence[int]) -> None:
+        """A generation ended (with the end of its prompt): index it now, archive it within a second."""
+        with self._lock:
+            if self._index is None:
+                return
+            self._index.add(tokens)
+            self._pending.append(list(tokens))
+        self._wake.set()
+
+    def warm_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            archive = Archive(self.directory, self._vocabulary(), self.budget_bytes)
+        except (OSError, ValueError) as error:
+            log.warning("the Palimpsest is off: cannot use %s (%s)", self.directory, error)
+            self.loaded.set()
+            return
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for record in pending:
+                archive.append(record)
+            new = archive.read_new()
+            if new.restarted or self._index is None:
+                index = ContinuationIndex()
+                for frame in new.frames:
+                    index.add(frame)
+                with self._lock:
+                    self._index = index
+                if not self.loaded.is_set():
+                    self.loaded.set()
+                    if new.frames:
+                        log.info("the Palimpsest holds %d tokens of earlier generations", len(index))
+            elif new.frames:
+                with self._lock:
+                    for frame in new.frames:
+                        self._index.add(frame)
+            archive.sync()
+            if self._stop.is_set():
+                return
+            self._wake.wait(SYNC_SECONDS)
+            self._wake.clear()
+
+
+class PalimpsestDrafter:
+    def __init__(self, source: Palimpsest, prompt: Sequence[int]) -> None:
+        self.source = source
+        self.prompt = list(prompt[-PROMPT_TOKENS:])
+        self.context = list(self.prompt)
+        self.generated = 0
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self.context.extend(tokens)
+        self.generated += len(tokens)
+
+    def propose(self, limit: int) -> list[int]:
+        return self.source.continuation(self.context, limit)
+
+    def close(self) -> None:
+        if self.generated:
+            self.source.record(self.context)
+
+
+def vocabulary_hash(piece: Callable[[int], bytes], n_vocab: int) -> bytes:
+    """What makes two models' tokens interchangeable: every token's text, in order."""
+    digest = hashlib.sha256(n_vocab.to_bytes(4, "little"))
+    for token in range(n_vocab):
+        text = piece(token)
+        digest.update(len(text).to_bytes(4, "little") + text)
+    return digest.digest()

@@ -1,0 +1,189 @@
+"""The Palimpsest: its archive on disk (frames, crashes, other processes, the budget, other vocabularies),
+its index (longest match, most frequent continuation, records kept apart), and drafting on FakeBackend."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine.fake import FakeBackend
+from reame.speculative import Speculation
+from reame.speculative.archive import FRAME, HEADER, Archive
+from reame.speculative.palimpsest import ContinuationIndex, Palimpsest, vocabulary_hash
+
+from .test_speculative import FrozenCost
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCABULARY = bytes(range(32))
+OTHER_VOCABULARY = bytes(range(1, 33))
+
+
+def records(count, length=20):
+    return [tuple(range(1000 * i, 1000 * i + length)) for i in range(count)]
+
+
+def test_the_archive_gives_back_every_record_after_a_restart(tmp_path):
+    archive = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(5):
+        archive.append(record)
+    archive.sync()
+    reread = Archive(tmp_path, VOCABULARY, 1 << 20).read_new()
+    assert reread.restarted and reread.frames == records(5)
+
+
+def test_each_process_reads_what_the_others_appended_and_not_its_own(tmp_path):
+    mine, theirs = Archive(tmp_path, VOCABULARY, 1 << 20), Archive(tmp_path, VOCABULARY, 1 << 20)
+    assert mine.read_new().frames == [] and theirs.read_new().frames == []
+    mine.append((1, 2, 3))
+    theirs.append((4, 5, 6))
+    mine.append((7, 8, 9))
+    assert mine.read_new() .frames == [(4, 5, 6)]
+    assert theirs.read_new().frames == [(1, 2, 3), (7, 8, 9)]
+    assert mine.read_new().frames == theirs.read_new().frames == []
+
+
+def test_a_frame_torn_by_a_crash_is_cut_off_and_every_whole_one_is_back(tmp_path):
+    archive = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(3):
+        archive.append(record)
+    with open(archive.path, "ab") as file:  # a writer died half way through its frame
+        file.write(FRAME.pack(80, 0) + b"\x01" * 30)
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames == records(3)
+    survivor = Archive(tmp_path, VOCABULARY, 1 << 20)
+    survivor.append((5, 6, 7))  # cuts the torn tail first
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames == [*records(3), (5, 6, 7)]
+
+
+def test_a_frame_with_a_bad_checksum_is_skipped_and_the_next_ones_read(tmp_path):
+    archive = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(3):
+        archive.append(record)
+    data = bytearray(archive.path.read_bytes())
+    second_payload = HEADER.size + (FRAME.size + 80) + FRAME.size
+    data[second_payload + 5] ^= 0xFF
+    archive.path.write_bytes(bytes(data))
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames == [records(3)[0], records(3)[2]]
+
+
+@pytest.mark.parametrize("content", [b"", b"REAMEPAL", b"not an archive at all" * 10, b"\x00" * 100])
+def test_a_file_that_is_not_an_archive_of_this_vocabulary_is_started_again(tmp_path, content):
+    path = Archive(tmp_path, VOCABULARY, 1 << 20).path
+    path.write_bytes(content)
+    archive = Archive(tmp_path, VOCABULARY, 1 << 20)
+    assert archive.read_new().frames == []
+    archive.append((1, 2))
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames == [(1, 2)]
+
+
+def test_another_vocabulary_has_its_own_file_and_never_sees_these_tokens(tmp_path):
+    Archive(tmp_path, VOCABULARY, 1 << 20).append((1, 2, 3))
+    other = Archive(tmp_path, OTHER_VOCABULARY, 1 << 20)
+    assert other.read_new().frames == []
+    mine = Archive(tmp_path, VOCABULARY, 1 << 20)
+    other.path.unlink()
+    os.link(mine.path, other.path)  # even a file of the other vocabulary under its name is refused
+    assert Archive(tmp_path, OTHER_VOCABULARY, 1 << 20).read_new().frames == []
+
+
+def test_over_its_budget_the_archive_keeps_its_newest_records(tmp_path):
+    budget = HEADER.size + 10 * (FRAME.size + 80)  # ten records of 20 tokens
+    archive = Archive(tmp_path, VOCABULARY, budget)
+    reader = Archive(tmp_path, VOCABULARY, budget)
+    reader.read_new()
+    for record in records(25):
+        archive.append(record)
+    kept = Archive(tmp_path, VOCABULARY, budget).read_new().frames
+    assert archive.size_bytes() <= budget
+    assert kept == records(25)[-len(kept):] and 5 <= len(kept) <= 10
+    again = reader.read_new()
+    assert again.restarted and again.frames == kept  # another process sees a new file and reads it whole
+
+
+def test_killing_a_writer_in_the_middle_of_appends_loses_no_complete_frame(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        from reame.speculative.archive import Archive
+        archive = Archive(Path({str(tmp_path)!r}), bytes(range(32)), 1 << 30)
+        print("ready", flush=True)
+        i = 0
+        while True:
+            archive.append([i] * (1 + i % 5000))
+            i += 1
+    """)
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert writer.stdout.readline().strip() == b"ready"
+    path = Archive(tmp_path, VOCABULARY, 1 << 30).path
+    while path.stat().st_size < 4 << 20:
+        pass  # the writer appends as fast as it can: a kill then lands inside an append
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    frames = Archive(tmp_path, VOCABULARY, 1 << 30).read_new().frames
+    assert frames and all(frame == (i,) * (1 + i % 5000) for i, frame in enumerate(frames))
+
+
+def test_the_index_drafts_the_continuation_of_the_longest_match():
+    index = ContinuationIndex()
+    index.add([1, 2, 3, 4, 5, 6, 7])
+    index.add([9, 9, 3, 4, 5, 60, 70])  # same last three tokens, less context before them
+    assert index.continuation([0, 1, 2, 3, 4, 5], 5) == [6, 7]  # longest match wins; stops at the record's end
+    assert index.continuation([9, 3, 4, 5], 5) == [60, 70]
+    assert index.continuation([8, 3, 4, 5], 1) == [60]  # equal matches: the newest
+    assert index.continuation([4, 5], 5) == []  # shorter than a key
+    assert index.continuation([7, 7, 7], 5) == []
+
+
+def test_the_most_frequent_continuation_wins_among_equal_matches():
+    index = ContinuationIndex()
+    for tail in ([10, 11, 12], [10, 11, 13], [20, 21], [10, 11, 12]):
+        index.add([1, 2, 3, *tail])
+    assert index.continuation([1, 2, 3], 8) == [10, 11, 12]
+
+
+def test_a_long_prompt_end_finds_its_own_record_among_many_with_the_same_last_tokens():
+    index = ContinuationIndex()
+    suffix = [7, 7, 8, 300, 301, 302, 303]  # what every chat prompt ends with: more than the short key
+    for question in range(200):
+        index.add([1, 2, 3, 100 + question, 200 + question, 300 + question, *suffix, 5000 + question,
+                   6000 + question])
+    asked = [1, 2, 3, 100 + 3, 200 + 3, 300 + 3, *suffix]
+    assert index.continuation(asked, 4) == [5003, 6003]
+
+
+def test_the_vocabulary_hash_tells_tokenizers_apart():
+    pieces = [b"a", b"b", b"c"]
+    same = vocabulary_hash(pieces.__getitem__, 3)
+    assert same == vocabulary_hash(pieces.__getitem__, 3) and len(same) == 32
+    assert same != vocabulary_hash([b"a", b"b", b"d"].__getitem__, 3)
+    assert same != vocabulary_hash([b"ab", b"", b"c"].__getitem__, 3)
+
+
+def palimpsest(directory):
+    source = Palimpsest(directory, lambda: VOCABULARY, 1 << 20)
+    assert source.loaded.wait(10)
+    return source
+
+
+def generate(prompt, source):
+    backend = FakeBackend(n_ctx=2048)
+    speculation = Speculation(source, max_draft=16, cost=FrozenCost()) if source is not None else None
+    with Engine(backend, speculation=speculation) as engine:
+        return engine.generate(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=60,
+                                                                       ignore_eos=True)))
+
+
+def test_a_repeated_request_is_drafted_from_its_earlier_answer_even_after_a_restart(tmp_path):
+    plain = generate("the same question, again and again: ", None)
+    first = generate("the same question, again and again: ", palimpsest(tmp_path))  # closed with its engine
+    assert first.tokens == plain.tokens and first.finish.usage.accepted_draft_tokens == 0
+    again = generate("the same question, again and again: ", palimpsest(tmp_path))  # a new process, say
+    assert again.tokens == plain.tokens
+    assert again.finish.usage.accepted_draft_tokens >= 55  # all but the tokens each verification adds
+    other = generate("something else entirely, never asked: ", palimpsest(tmp_path))
+    assert other.tokens == generate("something else entirely, never asked: ", None).tokens
