@@ -94,3 +94,20 @@ def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
 def test_the_cli_refuses_a_draft_model_it_cannot_use(native_libraries, smollm2_path, tmp_path):
     missing = reame("run", str(smollm2_path), "hi", "--draft-model", str(tmp_path / "none.gguf"))
     assert missing.returncode != 0 and "none.gguf" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_the_palimpsest_drafts_a_repeated_answer_after_a_restart_and_changes_nothing(native_libraries, smollm2_path,
+                                                                                      tmp_path):
+    from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
+
+    def archive(backend):
+        source = Palimpsest(tmp_path, lambda: vocabulary_hash(backend.token_piece, backend.n_vocab), 1 << 20)
+        assert source.loaded.wait(60)
+        return Speculation(source, max_draft=16, cost=FreeDrafts())
+    prompts = ("Write a haiku about the sea.",)
+    (plain,) = answer(smollm2_path, None, prompts=prompts)
+    (first,) = answer(smollm2_path, archive, prompts=prompts)
+    (again,) = answer(smollm2_path, archive, prompts=prompts)  # a new backend and archive reader: a restart
+    assert plain.tokens == first.tokens == again.tokens
+    assert again.finish.usage.accepted_draft_tokens >= len(again.tokens) * 0.8
+    assert list(tmp_path.glob("*.palimpsest"))
