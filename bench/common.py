@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -120,3 +122,21 @@ def read_stream(lines: Iterable[bytes]) -> Streamed:
             last = time.perf_counter()
             first = first or last
     return Streamed("".join(pieces), tokens, first, last)
+
+
+def speculation_counts(port: int, source: str) -> dict[str, float]:
+    """A Reame server's speculation counters from /metrics: `source`'s drafted and accepted tokens,
+    every source's, and the steps that verified drafts."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    connection.close()
+    counts = dict.fromkeys(("drafted", "accepted", "all drafted", "all accepted", "steps"), 0.0)
+    for what in ("drafted", "accepted"):
+        for name, value in re.findall(rf'^reame_spec_decode_{what}_total{{source="(\w+)"}} (\S+)$', text, re.M):
+            counts[f"all {what}"] += float(value)
+            if name == source:
+                counts[what] += float(value)
+    steps = re.search(r'^reame_spec_decode_steps_total{kind="speculative"} (\S+)$', text, re.M)
+    counts["steps"] = float(steps.group(1)) if steps else 0.0
+    return counts

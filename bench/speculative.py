@@ -6,11 +6,12 @@
 
 Servers from the same pinned build, model and threads run side by side, one
 request at a time, in rotating order: Reame with speculation off
-(`REAME_SPECULATIVE_ENABLED=0`), as configured by default (prompt lookup
-under its controller), with the draft model only, and with both; llama-server
-plain, with `--spec-type ngram-simple`, and with the draft model
-(`-md … --spec-type draft-simple`). Without `--draft` the draft rows are left
-out. Each streams a greedy chat answer of a fixed
+(`REAME_SPECULATIVE_ENABLED=0`), as configured by default (Il Suggeritore and
+prompt lookup under their controllers; the Palimpsest off, since every rep
+repeats the prompts), with the draft model only, and with both; llama-server
+plain, with `--spec-type ngram-simple`, `--spec-type ngram-mod`, and with the
+draft model (`-md … --spec-type draft-simple`). Without `--draft` the draft
+rows are left out. Each streams a greedy chat answer of a fixed
 length (end of text ignored); decode tok/s is measured by the client between
 the first and the last streamed token. Tasks: (a) a copy-heavy JSON edit,
 (b) a code edit, (c) free prose. Ratios are against the same server family's
@@ -56,8 +57,12 @@ SERVERS = {
     "reame lookup+draft": {"REAME_SPECULATIVE_DRAFT_MODEL": "{draft}"},
     "llama-server": [],
     "llama-server ngram-simple": ["--spec-type", "ngram-simple"],
+    "llama-server ngram-mod": ["--spec-type", "ngram-mod"],
     "llama-server draft-simple": ["-md", "{draft}", "--spec-type", "draft-simple"],
 }
+# Every rep repeats the same prompts: Reame's Palimpsest would draft them from the earlier reps' answers
+# (bench/palimpsest.py measures that); here it is off, so the rows measure drafting within one request.
+REAME_SETTINGS = {"REAME_SPECULATIVE_PALIMPSEST": "0"}
 
 
 def stream_chat(port: int, prompt: str, n_tokens: int) -> float:
@@ -79,6 +84,7 @@ def start(name: str, path: str, draft: str, args: argparse.Namespace) -> tuple[s
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     settings = SERVERS[name]
     if isinstance(settings, dict):
+        env.update(REAME_SETTINGS)
         env.update({key: value.format(draft=draft) for key, value in settings.items()})
     else:
         command += [option.format(draft=draft) for option in settings]

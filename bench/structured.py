@@ -35,13 +35,13 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command
+from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command, \
+    speculation_counts
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -81,9 +81,9 @@ WRITING = {
     "table": "Write a Markdown table of 12 European countries with the columns Country, Capital, Population "
              "(millions) and Currency.",
 }
-SERVERS = {
-    "reame, Suggeritore off": {"REAME_SPECULATIVE_SUGGERITORE": "0"},
-    "reame": {},
+SERVERS = {  # the Palimpsest off: it would draft the later reps from the first (bench/palimpsest.py)
+    "reame, Suggeritore off": {"REAME_SPECULATIVE_SUGGERITORE": "0", "REAME_SPECULATIVE_PALIMPSEST": "0"},
+    "reame": {"REAME_SPECULATIVE_PALIMPSEST": "0"},
     "llama-server": None,
 }
 BASE = "reame, Suggeritore off"
@@ -105,24 +105,6 @@ def chat(port: int, prompt: str, max_tokens: int, schema: dict | None) -> tuple[
     answer = read_stream(response)
     connection.close()
     return answer.text, answer.tokens, answer.last - sent, answer.decode_speed
-
-
-def speculation_counts(port: int) -> dict[str, float]:
-    """Counters from /metrics: Il Suggeritore's drafted and accepted tokens, every source's, and the
-    steps that verified drafts."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
-    connection.close()
-    counts = dict.fromkeys(("drafted", "accepted", "all drafted", "all accepted", "steps"), 0.0)
-    for what in ("drafted", "accepted"):
-        for source, value in re.findall(rf'^reame_spec_decode_{what}_total{{source="(\w+)"}} (\S+)$', text, re.M):
-            counts[f"all {what}"] += float(value)
-            if source == "suggeritore":
-                counts[what] += float(value)
-    steps = re.search(r'^reame_spec_decode_steps_total{kind="speculative"} (\S+)$', text, re.M)
-    counts["steps"] = float(steps.group(1)) if steps else 0.0
-    return counts
 
 
 def ceiling(tokens: float, counts: dict[str, float], costs: dict[int, float]) -> float:
@@ -205,10 +187,10 @@ def main() -> None:
                 turn = (rep + index) % len(names)
                 for name in names[turn:] + names[:turn]:
                     port = servers[name][1]
-                    before = speculation_counts(port) if name == "reame" else None
+                    before = speculation_counts(port, "suggeritore") if name == "reame" else None
                     text, tokens, wall, speed = chat(port, prompt, max_tokens, schema)
                     if before is not None:
-                        after = speculation_counts(port)
+                        after = speculation_counts(port, "suggeritore")
                         sums = counted.setdefault(task, dict.fromkeys(after, 0.0))
                         for key in after:
                             sums[key] += after[key] - before[key]

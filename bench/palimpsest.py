@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""The Palimpsest: drafting from earlier generations, against llama-server's n-gram modes.
+
+    python bench/palimpsest.py                          # Qwen2.5-Coder-1.5B, 2 threads, 12 + 12 products
+    python bench/palimpsest.py --model smollm2-135m --products 4 --reps 1
+
+Five servers from the same pinned build, model and threads, one request at a
+time in rotating order: Reame with the Palimpsest off
+(`REAME_SPECULATIVE_PALIMPSEST=0`), Reame as configured by default (its
+archive in a fresh directory), llama-server plain, `--spec-type ngram-simple`
+and `--spec-type ngram-mod` (which keeps its n-grams across the requests of
+one process).
+
+- template: one prompt template over `--products` products, then over as
+  many new ones; greedy answers. The first pass is what the servers have seen;
+  the second is measured: wall time per request and decode tok/s.
+- repeated after a restart: one request, then every server is restarted (the
+  Reame archive stays on disk), then the same request `--reps` times; decode
+  tok/s of a fixed-length answer (end of text ignored).
+
+Ratios are per request against Reame with the Palimpsest off, paired medians;
+acceptance of the Palimpsest's drafts from the default server's /metrics.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command, \
+    speculation_counts
+from server import free_port, wait_ready
+
+from reame.native import LLAMA_COMMIT
+
+PRODUCTS = [
+    ("a cast-iron skillet", "kitchen", 39), ("a trail running shoe", "sport", 129), ("a mechanical keyboard", "office", 89),
+    ("a down sleeping bag", "outdoor", 249), ("a pour-over coffee kettle", "kitchen", 45),
+    ("a standing desk", "office", 399), ("a bicycle helmet", "sport", 69), ("a camping stove", "outdoor", 59),
+    ("a chef's knife", "kitchen", 99), ("a yoga mat", "sport", 35), ("a desk lamp", "office", 49),
+    ("a water filter bottle", "outdoor", 29), ("a rice cooker", "kitchen", 79), ("a pair of dumbbells", "sport", 55),
+    ("an ergonomic chair", "office", 299), ("a headlamp", "outdoor", 25), ("a stand mixer", "kitchen", 349),
+    ("a jump rope", "sport", 15), ("a noise-cancelling headset", "office", 179), ("a trekking pole", "outdoor", 65),
+    ("a Dutch oven", "kitchen", 119), ("a foam roller", "sport", 25), ("a monitor arm", "office", 75),
+    ("a two-person tent", "outdoor", 189),
+]
+TEMPLATE = ("Write the product sheet for {name} ({category}, {price} EUR) in exactly this format and nothing else:\n"
+            "Name: <name>\nCategory: <category>\nPrice: <price> EUR\nHighlights:\n- <one>\n- <two>\n- <three>\n"
+            "Best for: <who it suits>\nCare: <how to look after it>")
+REPEATED = "Explain step by step how a hash table stores and finds a key, with an example in Python."
+SERVERS = {
+    "reame, Palimpsest off": {"REAME_SPECULATIVE_PALIMPSEST": "0"},
+    "reame": {"REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}"},
+    "llama-server": [],
+    "llama-server ngram-simple": ["--spec-type", "ngram-simple"],
+    "llama-server ngram-mod": ["--spec-type", "ngram-mod"],
+}
+BASE = "reame, Palimpsest off"
+
+
+def chat(port: int, prompt: str, max_tokens: int, ignore_eos: bool = False) -> tuple[float, float, int]:
+    """(wall seconds, decode tok/s, tokens) of one streamed greedy chat answer."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": ignore_eos, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    sent = time.perf_counter()
+    connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    answer = read_stream(connection.getresponse())
+    connection.close()
+    return answer.last - sent, answer.decode_speed, answer.tokens
+
+
+class Servers:
+    """The five servers, started and restarted together; Reame's archive outlives restarts."""
+
+    def __init__(self, path: str, threads: int, archive: str) -> None:
+        self.path, self.threads, self.archive = path, threads, archive
+        self.running: dict[str, tuple[subprocess.Popen, int]] = {}
+
+    def start(self) -> None:
+        for name, settings in SERVERS.items():
+            port = free_port()
+            command = server_command("llama-server" if isinstance(settings, list) else "reame", self.path, port,
+                                     self.threads, 4096)
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            if isinstance(settings, dict):
+                env.update({key: value.format(archive=self.archive) for key, value in settings.items()})
+            else:
+                command += settings
+            self.running[name] = (subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL), port)
+        for process, port in self.running.values():
+            wait_ready(port, process, timeout_s=300)
+
+    def stop(self) -> None:
+        for process, _ in self.running.values():
+            process.terminate()
+            process.wait(60)
+        self.running = {}
+
+    def port(self, name: str) -> int:
+        return self.running[name][1]
+
+
+def rotated(names: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    turn %= len(names)
+    return names[turn:] + names[:turn]
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=160, reps=3,
+                          tokens_help="tokens of the repeated answer")
+    parser.add_argument("--products", type=int, default=12, help="products per pass of the template workload")
+    args = parser.parse_args()
+    path = str(model_path(args.model))
+    names = tuple(SERVERS)
+    first_pass = PRODUCTS[:args.products]
+    second_pass = PRODUCTS[args.products:2 * args.products]
+    template: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
+    repeated: dict[str, list[float]] = {name: [] for name in names}
+    counted: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="reame-palimpsest-bench-") as archive:
+        servers = Servers(path, args.threads, archive)
+        try:
+            servers.start()
+            for turn, (name_, category, price) in enumerate(first_pass):
+                for name in rotated(names, turn):
+                    chat(servers.port(name), TEMPLATE.format(name=name_, category=category, price=price), 200)
+            before = speculation_counts(servers.port("reame"), "palimpsest")
+            for turn, (name_, category, price) in enumerate(second_pass):
+                for name in rotated(names, turn):
+                    template[name].append(chat(servers.port(name),
+                                               TEMPLATE.format(name=name_, category=category, price=price), 200))
+            after = speculation_counts(servers.port("reame"), "palimpsest")
+            counted["template"] = {key: after[key] - before[key] for key in after}
+            for name in names:
+                chat(servers.port(name), REPEATED, args.tokens, ignore_eos=True)
+            servers.stop()
+            servers.start()
+            before = speculation_counts(servers.port("reame"), "palimpsest")
+            for rep in range(args.reps):
+                for name in rotated(names, rep):
+                    repeated[name].append(chat(servers.port(name), REPEATED, args.tokens, ignore_eos=True)[1])
+            after = speculation_counts(servers.port("reame"), "palimpsest")
+            counted["repeated"] = {key: after[key] - before[key] for key in after}
+        finally:
+            servers.stop()
+    print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
+          f"greedy · {len(second_pass)} template requests after {len(first_pass)} · repeated ×{args.reps}\n")
+    rows = []
+    for name in names:
+        mine, base = template[name], template[BASE]
+        counts = counted["template"] if name == "reame" else None
+        rows.append(["template, second pass", name, f"{statistics.mean(m[2] for m in mine):.0f}",
+                     f"{sum(m[0] for m in mine):.1f}", f"{statistics.median(m[1] for m in mine):.1f}",
+                     f"{sum(b[0] for b in base) / sum(m[0] for m in mine):.2f}",
+                     f"{statistics.median(m[1] / b[1] for m, b in zip(mine, base)):.2f}",
+                     f"{counts['accepted']:.0f}/{counts['drafted']:.0f}" if counts else ""])
+    for name in names:
+        mine, base = repeated[name], repeated[BASE]
+        counts = counted["repeated"] if name == "reame" else None
+        rows.append(["repeated after a restart", name, str(args.tokens), "", f"{statistics.median(mine):.1f}", "",
+                     f"{statistics.median(m / b for m, b in zip(mine, base)):.2f}",
+                     f"{counts['accepted']:.0f}/{counts['drafted']:.0f}" if counts else ""])
+    print_table(["workload", "server", "tokens", "wall s (sum)", "decode tok/s", "speed-up (wall)",
+                 "speed-up (tok/s, paired)", "Palimpsest accepted/drafted"], rows)
+
+
+if __name__ == "__main__":
+    main()
