@@ -177,14 +177,16 @@ class Palimpsest:
             self.loaded.set()
             return
         while True:
-            with self._lock:
-                pending, self._pending = self._pending, []
-            for record in pending:
-                archive.append(record)
+            self._append_pending(archive)
             new = archive.read_new()
             if new.restarted or self._index is None:
                 index = ContinuationIndex()
                 for frame in new.frames:
+                    if self._stop.is_set():  # closing while reading: keep what ended meanwhile, and go
+                        self._append_pending(archive)
+                        archive.sync()
+                        self.loaded.set()
+                        return
                     index.add(frame)
                 with self._lock:
                     self._index = index
@@ -201,6 +203,12 @@ class Palimpsest:
                 return
             self._wake.wait(SYNC_SECONDS)
             self._wake.clear()
+
+    def _append_pending(self, archive: Archive) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for record in pending:
+            archive.append(record)
 
 
 class PalimpsestDrafter:
