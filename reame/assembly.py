@@ -88,12 +88,17 @@ def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | 
                                    backend.detokenize))
     if options.palimpsest:
         sources.append(Palimpsest(options.palimpsest_directory,
-                                  lambda: vocabulary_hash(backend.token_piece, backend.n_vocab),
+                                  vocabulary_hash(backend.token_piece, backend.n_vocab),
                                   options.palimpsest_budget_bytes))
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
     if options.draft_model:
-        sources.append(load_draft_model(options.draft_model, backend, options.draft_min_probability))
+        try:
+            sources.append(load_draft_model(options.draft_model, backend, options.draft_min_probability))
+        except BaseException:  # the sources built so far run threads that read the backend: stop them first
+            for source in sources:
+                source.close()
+            raise
     return Speculation(*sources, max_draft=options.max_draft_tokens) if sources else None
 
 

@@ -38,6 +38,8 @@ SHORT, LONG = 3, 12  # key lengths in tokens
 TABLE_BITS = 20  # head table entries per key length: 2^20 (4 MiB each)
 MAX_CHAIN = 48  # candidates looked at per key length and lookup
 MATCH_WINDOW = 64  # how far back a candidate's match with the context is measured
+MIN_MATCH = 4  # tokens a candidate must share with the context's end to be drafted from
+AGREEMENT = 0.5  # a draft goes on only while more than this share of the candidates agree
 PROMPT_TOKENS = 512  # the end of a prompt kept with its answer
 SEPARATOR = -1  # between records in the flat array: no key spans it, no draft crosses it
 SYNC_SECONDS = 1.0  # fsync and read what other processes appended at this interval
@@ -75,7 +77,7 @@ class ContinuationIndex:
         if limit <= 0 or len(context) < SHORT:
             return []
         tail = list(context[-MATCH_WINDOW:])
-        best, candidates = 0, []
+        best, candidates = MIN_MATCH - 1, []  # three tokens in common say little
         for n in (LONG, SHORT):
             if len(tail) < n:
                 continue
@@ -106,12 +108,16 @@ class ContinuationIndex:
         return length
 
     def _most_frequent(self, candidates: list[int], limit: int) -> list[int]:
+        """Follow the continuation most candidates share, while more than AGREEMENT of them do: where
+        earlier answers went different ways (a product's name after the same `Name:`), the draft stops."""
         tokens, draft = self.tokens, []
         while candidates and len(draft) < limit:
             counts = collections.Counter(tokens[p] for p in candidates if tokens[p] != SEPARATOR)
             if not counts:
                 break
             token = max(counts, key=counts.__getitem__)  # among equals the newest: counted first
+            if counts[token] <= AGREEMENT * len(candidates):
+                break
             draft.append(token)
             candidates = [p + 1 for p in candidates if tokens[p] == token]
         return draft
@@ -128,9 +134,9 @@ class Palimpsest:
     name = "palimpsest"
     free = True
 
-    def __init__(self, directory: Path, vocabulary: Callable[[], bytes], budget_bytes: int) -> None:
-        """`vocabulary`: the tokenizer's 32-byte hash (computed on the background thread: it reads every
-        token's text)."""
+    def __init__(self, directory: Path, vocabulary: bytes, budget_bytes: int) -> None:
+        """`vocabulary`: the tokenizer's 32-byte hash (`vocabulary_hash`, computed by the caller: the
+        background thread touches files only, never the model, which may be freed before it stops)."""
         self.directory, self._vocabulary, self.budget_bytes = directory, vocabulary, budget_bytes
         self._lock = threading.Lock()
         self._index: ContinuationIndex | None = None
@@ -171,7 +177,7 @@ class Palimpsest:
 
     def _run(self) -> None:
         try:
-            archive = Archive(self.directory, self._vocabulary(), self.budget_bytes)
+            archive = Archive(self.directory, self._vocabulary, self.budget_bytes)
         except (OSError, ValueError) as error:
             log.warning("the Palimpsest is off: cannot use %s (%s)", self.directory, error)
             self.loaded.set()

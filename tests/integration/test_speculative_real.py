@@ -101,7 +101,7 @@ def test_the_palimpsest_drafts_a_repeated_answer_after_a_restart_and_changes_not
     from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
 
     def archive(backend):
-        source = Palimpsest(tmp_path, lambda: vocabulary_hash(backend.token_piece, backend.n_vocab), 1 << 20)
+        source = Palimpsest(tmp_path, vocabulary_hash(backend.token_piece, backend.n_vocab), 1 << 20)
         assert source.loaded.wait(60)
         return Speculation(source, max_draft=16, cost=FreeDrafts())
     prompts = ("Write a haiku about the sea.",)

@@ -130,20 +130,24 @@ def test_killing_a_writer_in_the_middle_of_appends_loses_no_complete_frame(tmp_p
 
 def test_the_index_drafts_the_continuation_of_the_longest_match():
     index = ContinuationIndex()
-    index.add([1, 2, 3, 4, 5, 6, 7])
-    index.add([9, 9, 3, 4, 5, 60, 70])  # same last three tokens, less context before them
-    assert index.continuation([0, 1, 2, 3, 4, 5], 5) == [6, 7]  # longest match wins; stops at the record's end
-    assert index.continuation([9, 3, 4, 5], 5) == [60, 70]
-    assert index.continuation([8, 3, 4, 5], 1) == [60]  # equal matches: the newest
-    assert index.continuation([4, 5], 5) == []  # shorter than a key
-    assert index.continuation([7, 7, 7], 5) == []
+    index.add([1, 2, 3, 4, 5, 6, 7, 8])
+    index.add([9, 9, 3, 4, 5, 6, 70, 80])  # the same last four tokens, less context before them
+    assert index.continuation([0, 1, 2, 3, 4, 5, 6], 5) == [7, 8]  # longest match; stops at the record's end
+    assert index.continuation([9, 3, 4, 5, 6], 5) == [70, 80]
+    assert index.continuation([8, 3, 4, 5, 6], 5) == []  # two equal matches that disagree: no draft
+    assert index.continuation([8, 4, 5, 6], 5) == []  # three tokens in common say too little
+    assert index.continuation([5, 6], 5) == []  # shorter than a key
+    assert index.continuation([7, 7, 7, 7], 5) == []
 
 
-def test_the_most_frequent_continuation_wins_among_equal_matches():
+def test_the_continuation_most_earlier_answers_share_is_drafted_up_to_where_they_part():
     index = ContinuationIndex()
-    for tail in ([10, 11, 12], [10, 11, 13], [20, 21], [10, 11, 12]):
-        index.add([1, 2, 3, *tail])
-    assert index.continuation([1, 2, 3], 8) == [10, 11, 12]
+    for tail in ([10, 11, 12, 13], [10, 11, 12, 14], [20, 21], [10, 11, 12, 13]):
+        index.add([1, 2, 3, 4, *tail])
+    assert index.continuation([1, 2, 3, 4], 8) == [10, 11, 12, 13]  # 3 of 4, then 2 of 3
+    index.add([1, 2, 3, 4, 30])
+    index.add([1, 2, 3, 4, 40])
+    assert index.continuation([1, 2, 3, 4], 8) == []  # 3 of 6 went on with 10: less than half do
 
 
 def test_a_long_prompt_end_finds_its_own_record_among_many_with_the_same_last_tokens():
@@ -165,7 +169,7 @@ def test_the_vocabulary_hash_tells_tokenizers_apart():
 
 
 def palimpsest(directory):
-    source = Palimpsest(directory, lambda: VOCABULARY, 1 << 20)
+    source = Palimpsest(directory, VOCABULARY, 1 << 20)
     assert source.loaded.wait(10)
     return source
 
