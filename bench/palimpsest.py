@@ -11,8 +11,8 @@ archive in a fresh directory), llama-server plain, `--spec-type ngram-simple`
 and `--spec-type ngram-mod` (which keeps its n-grams across the requests of
 one process).
 
-- template: one prompt template over `--products` products, then over as
-  many new ones; greedy answers. The first pass is what the servers have seen;
+- template: one support-reply template over `--products` customers and
+  products, then over as many new ones; greedy answers. The first pass is what the servers have seen;
   the second is measured: wall time per request and decode tok/s.
 - repeated after a restart: one request, then every server is restarted (the
   Reame archive stays on disk), then the same request `--reps` times; decode
@@ -40,7 +40,8 @@ from server import free_port, wait_ready
 from reame.native import LLAMA_COMMIT
 
 PRODUCTS = [
-    ("a cast-iron skillet", "kitchen", 39), ("a trail running shoe", "sport", 129), ("a mechanical keyboard", "office", 89),
+    ("a cast-iron skillet", "kitchen", 39), ("a trail running shoe", "sport", 129),
+    ("a mechanical keyboard", "office", 89),
     ("a down sleeping bag", "outdoor", 249), ("a pour-over coffee kettle", "kitchen", 45),
     ("a standing desk", "office", 399), ("a bicycle helmet", "sport", 69), ("a camping stove", "outdoor", 59),
     ("a chef's knife", "kitchen", 99), ("a yoga mat", "sport", 35), ("a desk lamp", "office", 49),
@@ -50,9 +51,12 @@ PRODUCTS = [
     ("a Dutch oven", "kitchen", 119), ("a foam roller", "sport", 25), ("a monitor arm", "office", 75),
     ("a two-person tent", "outdoor", 189),
 ]
-TEMPLATE = ("Write the product sheet for {name} ({category}, {price} EUR) in exactly this format and nothing else:\n"
-            "Name: <name>\nCategory: <category>\nPrice: <price> EUR\nHighlights:\n- <one>\n- <two>\n- <three>\n"
-            "Best for: <who it suits>\nCare: <how to look after it>")
+CUSTOMERS = ["Anna", "Bruno", "Chiara", "Dario", "Elena", "Fabio", "Giulia", "Hugo", "Irene", "Jonas", "Katia", "Luca",
+             "Marta", "Nico", "Olga", "Paolo", "Rita", "Sven", "Teresa", "Ugo", "Vera", "Walter", "Xenia", "Zeno"]
+# Narrow, repetitive work: the same kind of reply every time, to another customer about another product.
+TEMPLATE = ("Customer {customer} wants to return {name} ({category}, {price} EUR), bought {days} days ago. Write "
+            "Reame Shop's reply: greet them by name, confirm the return is accepted under the 30-day policy, list "
+            "the three steps to send the item back, and say when the refund arrives. Sign as Reame Shop Support.")
 REPEATED = "Explain step by step how a hash table stores and finds a key, with an example in Python."
 SERVERS = {
     "reame, Palimpsest off": {"REAME_SPECULATIVE_PALIMPSEST": "0"},
@@ -121,8 +125,9 @@ def main() -> None:
     args = parser.parse_args()
     path = str(model_path(args.model))
     names = tuple(SERVERS)
-    first_pass = PRODUCTS[:args.products]
-    second_pass = PRODUCTS[args.products:2 * args.products]
+    prompts = [TEMPLATE.format(customer=customer, name=product, category=category, price=price, days=3 + 7 * i % 25)
+               for i, (customer, (product, category, price)) in enumerate(zip(CUSTOMERS, PRODUCTS))]
+    first_pass, second_pass = prompts[:args.products], prompts[args.products:2 * args.products]
     template: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
     repeated: dict[str, list[float]] = {name: [] for name in names}
     counted: dict[str, dict[str, float]] = {}
@@ -130,14 +135,13 @@ def main() -> None:
         servers = Servers(path, args.threads, archive)
         try:
             servers.start()
-            for turn, (name_, category, price) in enumerate(first_pass):
+            for turn, prompt in enumerate(first_pass):
                 for name in rotated(names, turn):
-                    chat(servers.port(name), TEMPLATE.format(name=name_, category=category, price=price), 200)
+                    chat(servers.port(name), prompt, 300)
             before = speculation_counts(servers.port("reame"), "palimpsest")
-            for turn, (name_, category, price) in enumerate(second_pass):
+            for turn, prompt in enumerate(second_pass):
                 for name in rotated(names, turn):
-                    template[name].append(chat(servers.port(name),
-                                               TEMPLATE.format(name=name_, category=category, price=price), 200))
+                    template[name].append(chat(servers.port(name), prompt, 300))
             after = speculation_counts(servers.port("reame"), "palimpsest")
             counted["template"] = {key: after[key] - before[key] for key in after}
             for name in names:
