@@ -9,13 +9,14 @@ others, from a fresh prefill or a restored state. Tests that need a specific
 distribution pass their own `rule`.
 
 The KV "cache" is one token list per sequence with the same rules as llama's:
-positions must follow on, a whole context is shared by every sequence, and a
-full cache makes decode() report DECODE_NO_KV_SLOT.
+positions must follow on, a whole context is shared by every sequence (a copied
+sequence shares its cells), and a full cache makes decode() report DECODE_NO_KV_SLOT.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -225,6 +226,9 @@ class FakeBackend:
         source = CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them")
         self._template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
         self._kv: dict[int, list[int]] = {}
+        # Each position's cell, as in llama's unified KV: seq_cp shares cells instead of copying them.
+        self._cells: dict[int, list[int]] = {}
+        self._new_cells = itertools.count()
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
         self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
@@ -304,10 +308,11 @@ class FakeBackend:
         n = len(tokens)
         if n == 0 or n > self.n_batch:
             raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
-        if sum(len(cells) for cells in self._kv.values()) + n > self.n_ctx:
+        if self.cells_in_use() + n > self.n_ctx:
             self._outputs = {}
             return DECODE_NO_KV_SLOT
         staged = {seq: list(cells) for seq, cells in self._kv.items()}
+        staged_cells = {seq: list(cells) for seq, cells in self._cells.items()}
         results: dict[int, list[float]] = {}
         for i in range(n):
             seq = seq_ids[i]
@@ -318,9 +323,10 @@ class FakeBackend:
             if positions[i] != len(cells):
                 raise ModelError(f"sequence {seq}: position {positions[i]} does not follow {len(cells)}")
             cells.append(tokens[i])
+            staged_cells.setdefault(seq, []).append(next(self._new_cells))
             if outputs[i]:
                 results[i] = list(self.rule(cells))
-        self._kv = staged
+        self._kv, self._cells = staged, staged_cells
         self._outputs = results
         self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
         return DECODE_OK
@@ -357,6 +363,7 @@ class FakeBackend:
             if end < len(cells) and start < end:
                 return False  # a hole in the middle of a sequence is not supported
             del cells[start:end]
+            del self._cells.get(seq, [])[start:end]
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -365,15 +372,20 @@ class FakeBackend:
         if max(p0, 0) != 0:
             raise ModelError("FakeBackend copies sequences from position 0 only")
         self._kv[dst] = list(cells[:end])
+        self._cells[dst] = list(self._cells.get(src, [])[:end])
 
     def seq_keep(self, seq_id: int) -> None:
         self._kv = {seq_id: self._kv.get(seq_id, [])}
+        self._cells = {seq_id: self._cells.get(seq_id, [])}
 
     def seq_pos_max(self, seq_id: int) -> int:
         return len(self._kv.get(seq_id, [])) - 1
 
     def clear(self) -> None:
-        self._kv = {}
+        self._kv, self._cells = {}, {}
+
+    def cells_in_use(self) -> int:
+        return len({cell for cells in self._cells.values() for cell in cells})
 
     def seq_state_get(self, seq_id: int) -> bytes:
         return json.dumps({"magic": STATE_MAGIC, "tokens": self._kv.get(seq_id, [])}).encode()
@@ -386,6 +398,7 @@ class FakeBackend:
         if not isinstance(state, dict) or state.get("magic") != STATE_MAGIC:
             return False
         self._kv[seq_id] = list(state["tokens"])
+        self._cells[seq_id] = [next(self._new_cells) for _ in state["tokens"]]
         return True
 
     def warm_up(self) -> None:
@@ -399,4 +412,4 @@ class FakeBackend:
         return list(self._kv.get(seq_id, []))
 
     def close(self) -> None:
-        self._kv = {}
+        self.clear()

@@ -15,6 +15,10 @@ own sampler chain, emits events and feeds the caches and the cost model.
 An idle slot keeps the KV of its last request: a new request goes to the idle
 slot whose cached tokens share the longest prefix with its prompt and prefills
 only the rest. Cached KV of idle slots is given up first when the context fills.
+A request whose prompt another is still prefilling waits for it and then shares its
+KV cells and its last prompt token's logits (OpenAI `n`, the Conclave, identical
+requests arriving together: one prefill for all); one arriving later starts from the
+longest prompt start a running sequence holds, when that beats the idle slots.
 With a prefix cache, a prompt whose start was seen before (by this process or
 another, in RAM or on disk) restores that KV snapshot instead of prefilling it,
 and a prompt that needed much prefill is snapshotted once it is in the KV.
@@ -96,6 +100,7 @@ class StepPlan:
     # A sequence, the row of its first output, the drafts that follow it and the source that made them.
     draws: list[tuple[Running, int, list[int], Drafting | None]] = field(default_factory=list)
     prefills: list[tuple[Running, int]] = field(default_factory=list)  # a sequence and the prompt tokens fed
+    clones: list[Running] = field(default_factory=list)  # leaders whose followers get their prompt's KV
     decoding: int = 0  # sequences decoding their next token
     drafted: int = 0  # draft tokens carried
 
@@ -145,7 +150,7 @@ class Engine:
         if cache is not None:
             cache.follow(self.idle)
         self.status = EngineStatus(idle_prefixes=((),) * backend.n_seq_max)
-        self._inbox: queue.SimpleQueue[Handle | EmbeddingJob | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Handle] | EmbeddingJob | _Call | None] = queue.SimpleQueue()
         # Engine thread only, from here on.
         self._slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
         self._running: list[Running] = []  # in admission order
@@ -172,9 +177,21 @@ class Engine:
 
         With `sink`, events arrive there as `(tag, event)` instead of on the handle.
         """
+        return self.submit_together([request], sink, tag)[0]
+
+    def submit_together(self, requests: Sequence[GenerationRequest], sink: queue.SimpleQueue | None = None,
+                        first_tag: int = 0) -> list[Handle]:
+        """Validate every request, then queue them as one: they reach the engine thread in the same
+        step, so those with one prompt share one prefill (OpenAI `n`, the Conclave). Tags follow on
+        from `first_tag`. Nothing is queued if one of them is refused."""
         self._check_available()
         if self.max_queue and self.load()[0] >= self.max_queue:
             raise OverloadedError(f"{self.max_queue} requests are already waiting; retry shortly")
+        handles = [self._handle(request, sink, first_tag + i) for i, request in enumerate(requests)]
+        self._inbox.put(handles)
+        return handles
+
+    def _handle(self, request: GenerationRequest, sink: queue.SimpleQueue | None, tag: int) -> Handle:
         tokens = self.prompt_tokens(request)
         limit = self.backend.n_ctx_seq
         if len(tokens) >= limit:
@@ -191,7 +208,6 @@ class Engine:
             # Read here, in the caller's thread, so the engine thread never waits on the disk.
             held = max((common_prefix(prefix, tokens) for prefix in self.status.idle_prefixes), default=0)
             handle.snapshot = self.cache.lookup(tokens[:-1], better_than=held)
-        self._inbox.put(handle)
         return handle
 
     def embed(self, inputs: list[list[int]]) -> EmbeddingJob:
@@ -352,7 +368,7 @@ class Engine:
             if self._running:
                 self._step()
 
-    def _take(self, item: Handle | EmbeddingJob | _Call | None) -> bool:
+    def _take(self, item: list[Handle] | EmbeddingJob | _Call | None) -> bool:
         """File an inbox item; False when it asks the engine to stop."""
         if item is None:
             return False
@@ -365,7 +381,7 @@ class Engine:
                 item.error = error
             item.done.set()
         else:
-            self._waiting.append(item)
+            self._waiting.extend(item)
             self._changed = True
         return True
 
@@ -410,8 +426,9 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Handle):
-                self._reject(item, reason, why)
+            if isinstance(item, list):
+                for handle in item:
+                    self._reject(handle, reason, why)
             elif isinstance(item, EmbeddingJob):
                 item.error = why
                 item.done.set()
@@ -437,7 +454,7 @@ class Engine:
                 continue
             # Admit only what the shared KV can hold beside what is running; the head of the queue
             # waits (and so does everyone behind it: first come, first served, no starvation).
-            if self._running and self._reserved() + self._reservation(handle) > self.backend.n_ctx:
+            if self._running and self._reserved_with(handle) > self.backend.n_ctx:
                 break
             self._waiting.popleft()
             self._changed = True
@@ -460,10 +477,19 @@ class Engine:
         try:
             room = backend.n_ctx_seq - len(handle.prompt_tokens)
             running = Running(handle, slot, sampler, min(params.max_tokens or room, room), next(self._admissions))
+            leader = self._prefilling_twin(handle)
             saved = self._best_saved_state(handle)
             from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
                 if saved is not None else 0
-            if from_saved > shared:
+            donor, from_donor = self._donor(handle.prompt_tokens)
+            if leader is not None:  # it computes the prompt once for both
+                backend.seq_rm(slot.seq_id)
+                shared = 0
+            elif from_donor > max(shared, from_saved):  # the cells are shared, not copied
+                backend.seq_rm(slot.seq_id)
+                backend.seq_cp(donor.seq_id, slot.seq_id, 0, from_donor)
+                shared = from_donor
+            elif from_saved > shared:
                 backend.seq_rm(slot.seq_id)
                 shared = self._restore(saved, slot.seq_id, from_saved)
             elif not (shared and backend.seq_rm(slot.seq_id, shared, -1)):
@@ -481,7 +507,33 @@ class Engine:
             slot.held = []
             raise
         slot.running, slot.held = running, []  # only now: a failed start must not lose its slot
+        if leader is not None:
+            running.leader = leader
+            leader.followers.append(running)
         return running
+
+    def _prefilling_twin(self, handle: Handle) -> Running | None:
+        """A running request prefilling the same prompt, that this one can wait for instead of computing
+        it again (OpenAI `n`, the Conclave's attempts, identical requests arriving together)."""
+        request = handle.request
+        if request.warm or request.session is not None:
+            return None
+        return next((running for running in self._running if running.leader is None and not
+                     running.handle.request.warm and running.next_token is None and
+                     not running.generated_tokens and running.prompt == handle.prompt_tokens), None)
+
+    def _donor(self, prompt: list[int]) -> tuple[Running | None, int]:
+        """The running sequence whose KV holds the longest start of `prompt` (a document several users
+        ask about at once), and how much of it can be shared (never the last prompt token). Not with a
+        recurrent model's memory: it holds a sequence's state as a whole, with no start to share."""
+        best, best_shared = None, 0
+        if not self.backend.supports_rollback:
+            return best, best_shared
+        for running in self._running:
+            shared = min(common_prefix(running.held(), prompt), len(prompt) - 1)
+            if shared > best_shared:
+                best, best_shared = running, shared
+        return best, best_shared
 
     def _snapshot_point(self, running: Running) -> int:
         """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
@@ -497,12 +549,19 @@ class Engine:
 
     def _reservation(self, handle: Handle) -> int:
         """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
-        params = handle.request.params
-        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
-        return len(handle.prompt_tokens) + min(room, params.max_tokens or self.reserve_tokens)
+        return len(handle.prompt_tokens) + self._answer_reservation(handle)
 
-    def _reserved(self) -> int:
-        return sum(self._reservation(running.handle) for running in self._running)
+    def _answer_reservation(self, handle: Handle) -> int:
+        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
+        return min(room, handle.request.params.max_tokens or self.reserve_tokens)
+
+    def _reserved_with(self, handle: Handle) -> int:
+        """KV cells the running requests and `handle` may fill together: requests with one prompt
+        share its cells (a clone's KV is the same cells, not a copy), so it counts once."""
+        prompts = {tuple(running.prompt) for running in self._running}
+        prompts.add(tuple(handle.prompt_tokens))
+        return sum(map(len, prompts)) + self._answer_reservation(handle) + \
+            sum(self._answer_reservation(running.handle) for running in self._running)
 
     def _pick_slot(self, prompt: list[int]) -> tuple[Slot, int]:
         """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
@@ -612,7 +671,8 @@ class Engine:
         if plan.tokens and self.prefill_chunk_tokens:
             budget = min(budget, self.prefill_chunk_tokens)
         for running in self._running:
-            if running.next_token is not None or running.n_fed >= len(running.prompt) or budget <= 0:
+            if running.next_token is not None or running.n_fed >= len(running.prompt) or budget <= 0 or \
+                    running.leader is not None:
                 continue
             end = len(running.prompt)
             if running.solo_last and running.n_fed < end - 1:
@@ -623,6 +683,9 @@ class Engine:
             if start + take == len(running.prompt) and not running.handle.request.warm:
                 plan.outputs[-1] = True
                 plan.draws.append((running, len(plan.tokens) - 1, [], None))
+                plan.draws.extend((follower, len(plan.tokens) - 1, [], None) for follower in running.followers)
+                if running.followers:
+                    plan.clones.append(running)
             plan.prefills.append((running, take))
             budget -= take
         return plan
@@ -652,6 +715,8 @@ class Engine:
                 assert self.cache is not None
                 self.cache.offer(Snapshot(tuple(running.prompt[:running.n_fed]),
                                           self.backend.seq_state_get(running.seq_id)))
+        for leader in plan.clones:
+            self._clone_prompt(leader)
         self._drafts_paused = False
         for running, index, drafts, drafting in plan.draws:
             self._verify(running, index, drafts, drafting)
@@ -659,6 +724,25 @@ class Engine:
             if not plan.prefills:  # prompt tokens need no logits: cheaper than the rows a verification outputs
                 self.speculation.cost.observe(len(plan.tokens), seconds)
             self.speculation.stats.step(plan.drafted > 0)
+
+    def _clone_prompt(self, leader: Running) -> None:
+        """The leader's whole prompt is in its KV: its followers share those cells from now on."""
+        for follower in leader.followers:
+            self.backend.seq_cp(leader.seq_id, follower.seq_id, 0, len(leader.prompt))
+            follower.n_fed = follower.cached = len(leader.prompt)
+            follower.leader = None
+        leader.followers = []
+
+    def _hand_over(self, leader: Running) -> None:
+        """A leader ends before its prompt is in: the first follower takes over what it prefilled so
+        far and leads the others."""
+        heir, *others = leader.followers
+        leader.followers = []
+        self.backend.seq_cp(leader.seq_id, heir.seq_id, 0, leader.n_fed)
+        heir.n_fed = heir.cached = leader.n_fed
+        heir.leader, heir.followers = None, others
+        for follower in others:
+            follower.leader = heir
 
     def _drafts(self, running: Running, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
         """Tokens to verify after the sequence's next one, and their source: as many as its
@@ -740,6 +824,10 @@ class Engine:
         usage = Usage(len(running.prompt), len(running.generated_tokens), first - running.admitted_at, now - first,
                       running.cached, running.drafted, running.accepted_drafts)
         self._running.remove(running)
+        if running.followers:
+            self._hand_over(running)
+        if running.leader is not None:
+            running.leader.followers.remove(running)
         slot = running.slot
         if not held:
             self.backend.seq_rm(slot.seq_id)

@@ -25,8 +25,10 @@ class Running:
         "drafted",
         "draftings",
         "first_token_at",
+        "followers",
         "generated_tokens",
         "handle",
+        "leader",
         "max_tokens",
         "n_fed",
         "next_token",
@@ -56,6 +58,10 @@ class Running:
         self.first_token_at = 0.0
         self.draftings: list[Drafting] = []  # speculative decoding's sources, when the request allows it
         self.drafted = self.accepted_drafts = 0
+        # Requests with the same prompt that arrived while this one prefilled it: they wait, and get a
+        # copy of its KV and a draw from its last prompt token's logits (one prefill for all of them).
+        self.followers: list[Running] = []
+        self.leader: Running | None = None  # set while this one waits on another's prefill
 
     @property
     def seq_id(self) -> int:
