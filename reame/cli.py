@@ -22,6 +22,7 @@ from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.engine.backend import LlamaBackend
+from reame.engine.conclave import MAX_ATTEMPTS, convene
 from reame.engine.grammar import GrammarError
 from reame.engine.json_schema import schema_to_gbnf
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
@@ -74,10 +75,20 @@ def add_common_flags(parser: argparse.ArgumentParser, default: Any = None) -> No
     parser.add_argument("--temp", type=non_negative_float, default=default,
                         help="sampling temperature; 0 is greedy (0.7)")
     parser.add_argument("--seed", type=non_negative_int, default=default, help="sampling seed (42)")
+    parser.add_argument("--best-of", type=attempt_count, default=default, metavar="N",
+                        help="the Conclave: N attempts from one prefill, the answer elected by vote; its "
+                             "consensus goes to stderr as CONCLAVE consensus=k/N")
     parser.add_argument("--config", "-c", metavar="FILE", default=default,
                         help="INI config file (see docs/configuration.md)")
     parser.add_argument("--quiet", "-q", action="store_true", default=default or False,
                         help="print only the answer")
+
+
+def attempt_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_ATTEMPTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_ATTEMPTS} attempts, got {value}")
+    return value
 
 
 def add_server_flags(parser: argparse.ArgumentParser, default: Any = None) -> None:
@@ -230,11 +241,16 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
     if args.print_config:
         print_config(settings, chosen)
         return EXIT_OK
+    best_of = getattr(args, "best_of", None) or 1
     if args.serve:
+        if best_of > 1:
+            raise ConfigError("--best-of elects one answer here; API clients ask for it per request (best_of)")
         return assembly.serve_model(settings, path, entry, chosen)
+    if best_of > 1 and prompt is None:
+        raise ConfigError("--best-of elects one answer: give a prompt")
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
+    with LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)) as backend, \
             assembly.new_engine(backend, settings) as engine:
         templated = backend.has_chat_template and not args.raw
         if prompt is None:
@@ -244,7 +260,7 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
-        return answer_once(engine, prompt, settings.generation, args.quiet)
+        return answer_once(engine, prompt, settings.generation, args.quiet, best_of)
 
 
 def answer_grammar(args: argparse.Namespace) -> str | None:
@@ -265,12 +281,33 @@ def answer_grammar(args: argparse.Namespace) -> str | None:
     return None
 
 
-def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool) -> int:
+def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int = 1) -> int:
+    if best_of > 1:
+        return elect_answer(engine, prompt, params, quiet, best_of)
     finish = stream_answer(engine, prompt, params, sys.stdout, sys.stderr)[1]
     if finish.reason == "error":
         raise ModelError(finish.message)
     if not quiet:
         print(stats_line(finish), file=sys.stderr)
+    return EXIT_OK
+
+
+def elect_answer(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int) -> int:
+    """The Conclave: the elected answer on stdout, `CONCLAVE consensus=k/N` on stderr (even with
+    --quiet: a script escalates on it)."""
+    outcome = convene(engine, GenerationRequest(prompt, params), best_of)
+    errors = [c.finish.message for c in outcome.completions if c.finish.reason == "error"]
+    if errors:
+        raise ModelError(errors[0])
+    winner = outcome.winner
+    print(winner.text)
+    verdict = outcome.verdict
+    if not quiet:
+        answers = ", ".join(f"{c.key!r}" if c.key is not None else c.finish_reason for c in verdict.candidates)
+        log.info("attempt %d elected%s; answers: %s", verdict.winner,
+                 " early, the others stopped" if verdict.early else "", answers)
+        print(stats_line(winner.finish), file=sys.stderr)
+    print(f"CONCLAVE consensus={verdict.consensus}/{verdict.n}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -293,9 +330,10 @@ def command_config_mode(args: argparse.Namespace, settings: Settings) -> int:
     chosen = assembly.plan(settings, path, entry)
     if args.serve:
         return assembly.serve_model(settings, path, entry, chosen)
-    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
+    best_of = args.best_of or 1
+    with LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)) as backend, \
             assembly.new_engine(backend, settings) as engine:
-        return answer_once(engine, args.prompt, settings.generation, args.quiet)
+        return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of)
 
 
 def command_warm(args: argparse.Namespace, settings: Settings) -> int:

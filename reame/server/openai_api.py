@@ -19,7 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from reame.cache import prefix
-from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
+from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine.request import MAX_SEED
+from reame.engine.conclave import Election, attempts
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
@@ -27,8 +29,8 @@ from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
 from reame.server.structured import requested_grammar
 from reame.server.tools import ToolRequest, forced_call_grammar, template_messages, tool_parser, tool_request
-from reame.server.validation import (MAX_CHOICES, Fields, chat_messages, check_model, completion_prompts,
-                                     embedding_inputs, sampling_params, stream_usage)
+from reame.server.validation import (MAX_CHOICES, Fields, best_of, chat_messages, check_model,
+                                     completion_prompts, embedding_inputs, sampling_params, stream_usage)
 
 log = logging.getLogger("reame.server")
 
@@ -47,6 +49,12 @@ class App:
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
         self.metrics.describe("reame_prompt_tokens_total", "counter", "prompt tokens processed")
+        self.metrics.describe("reame_prompt_tokens_cached_total", "counter",
+                              "prompt tokens found in the KV (slot, session, prefix cache, a twin request's "
+                              "prefill) instead of computed")
+        self.metrics.describe("reame_conclave_elections_total", "counter", "best_of answers elected")
+        self.metrics.describe("reame_conclave_early_stops_total", "counter",
+                              "elections decided by a majority while attempts still ran (those were stopped)")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")
         self.metrics.describe("reame_prompt_seconds_total", "counter", "seconds from admission to first token")
         self.metrics.describe("reame_generation_seconds_total", "counter", "seconds from first token to the end")
@@ -328,9 +336,6 @@ class App:
         fields = Fields(handler.read_json())
         engine = self.ready_engine()
         check_model(fields)
-        if fields.integer("best_of", None, 1, MAX_CHOICES) not in (None, fields.integer("n", 1, 1, MAX_CHOICES)):
-            raise HttpError(400, "'best_of' other than n is not supported", param="best_of",
-                            code="unsupported_parameter")
         prompts = completion_prompts(fields.body.get("prompt"))
         suffix = fields.body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
@@ -342,7 +347,7 @@ class App:
                             code="unsupported_parameter")
         max_tokens = fields.integer("max_tokens", 16, 1, None)
         self.generate(handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
-                      suffix=suffix, grammar=requested_grammar(fields.body))
+                      suffix=suffix, grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False))
 
     def chat_completions(self, handler: Handler, _path: str) -> None:
         self.require(handler, "POST")
@@ -376,16 +381,21 @@ class App:
         if tools is not None:
             prompt += tools.prefill
         self.generate(handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs,
-                      tools=tools, grammar=grammar)
+                      tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True))
 
     def generate(self, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
                  max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
-                 tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None) -> None:
+                 tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
+                 elect_among: int = 1) -> None:
+        """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts."""
         n = fields.integer("n", 1, 1, MAX_CHOICES)
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
         seed = fields.integer("seed", None, 0, 2**32 - 2)
-        reserved = self.session_for(fields, n, prompts)
+        if elect_among > 1 and stream:
+            raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
+                            "streamed", param="best_of", code="unsupported_parameter")
+        reserved = self.session_for(fields, max(n, elect_among), prompts)
         session = reserved[1] if reserved else None
 
         released = False
@@ -400,40 +410,49 @@ class App:
                 self.ready_sessions().release(reserved[0])
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
-            handles = []
             base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
+            requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix)
+                        for prompt_index, prompt in enumerate(prompts)
+                        for params in self.attempt_params(base, seed, prompt_index, n, elect_among)]
             try:
-                for prompt_index, prompt in enumerate(prompts):
-                    for j in range(n):
-                        choice_seed = seed + prompt_index * n + j if seed is not None else \
-                            random.randrange(2**32 - 1)
-                        params = dataclasses.replace(base, seed=choice_seed % (2**32 - 1))
-                        request = GenerationRequest(prompt, params, logprobs=logprobs, session=session,
-                                                    suffix=suffix)
-                        handles.append(engine.submit(request, sink, len(handles)))
+                handles = engine.submit_together(requests, sink)
             except (RequestError, OverloadedError) as error:
-                for handle in handles:
-                    handle.cancel()
                 raise refusal(error, "messages" if chat else "prompt") from None
-            prompt_tokens = sum(len(handles[i * n].prompt_tokens) for i in range(len(prompts)))
-            echoes = [self.echo_text(engine, prompts[i // n]) if echo else "" for i in range(len(handles))]
+            group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
+            prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
+            echoes = [self.echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
             response = Response(chat, self.settings.model_id, engine.backend.token_piece if logprobs is not None
-                                else None)
+                                else None, per_prompt=group)
             choices = [Choice(parser=tool_parser(tools)) for _ in handles]
             if stream:
                 self.stream(handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
                             release_session)
             else:
-                self.collect(handler, response, sink, handles, choices, echoes, prompt_tokens, release_session)
+                elections = [Election(elect_among) for _ in prompts] if elect_among > 1 else None
+                self.collect(handler, response, sink, handles, choices, echoes, prompt_tokens, release_session,
+                             elections)
         finally:
             release_session()
+
+    @staticmethod
+    def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
+                       elect_among: int) -> list[SamplingParams]:
+        """Each choice's settings (seeds follow on from the request's), or the Conclave's attempts."""
+        if elect_among > 1:
+            return attempts(dataclasses.replace(base, seed=None if seed is None else
+                                                (seed + prompt_index) % (MAX_SEED + 1)), elect_among)
+        return [dataclasses.replace(base, seed=(seed + prompt_index * n + j) % (MAX_SEED + 1) if seed is not None
+                                    else random.randrange(MAX_SEED + 1)) for j in range(n)]
 
     @staticmethod
     def echo_text(engine: Engine, prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
 
     def collect(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
-                choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None]) -> None:
+                choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
+                elections: list[Election] | None = None) -> None:
+        """The whole answer once every choice ended; with `elections`, one per prompt among its attempts,
+        each attempt votes as it ends and a prompt's others stop once its majority is certain."""
         for choice, echo in zip(choices, echoes):
             choice.pieces.append(echo)
         remaining = len(handles)
@@ -456,6 +475,8 @@ class App:
             else:
                 choices[tag].finish = event
                 remaining -= 1
+                if elections is not None:
+                    self.vote(elections, tag, choices[tag], handles)
         finished()
         self.account(choices)
         for choice in choices:
@@ -468,7 +489,29 @@ class App:
         failed = next((c.finish for c in choices if c.finish and c.finish.reason == "error"), None)
         if failed is not None:
             raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
-        handler.send_json(200, response.whole(choices, prompt_tokens))
+        if elections is None:
+            handler.send_json(200, response.whole(choices, prompt_tokens))
+            return
+        verdicts = [election.verdict() for election in elections]
+        size = len(choices) // len(elections)
+        body = response.whole([choices[i * size + verdict.winner] for i, verdict in enumerate(verdicts)],
+                              prompt_tokens)
+        body["usage"] = response.usage(choices, prompt_tokens)  # every attempt's tokens were generated
+        body["reame"] = {"conclave": [verdict.summary() for verdict in verdicts]}
+        self.metrics.add("reame_conclave_elections_total", len(verdicts))
+        handler.send_json(200, body)
+
+    def vote(self, elections: list[Election], tag: int, choice: Choice, handles: list) -> None:
+        """An attempt ended: its vote, and once its prompt's majority is certain, the others stop."""
+        assert choice.finish is not None
+        size = len(handles) // len(elections)
+        group = tag // size
+        if elections[group].finished(tag % size, choice.text, choice.finish.reason,
+                                     choice.finish.usage.completion_tokens):
+            self.metrics.add("reame_conclave_early_stops_total")
+            for handle in handles[group * size:(group + 1) * size]:
+                if handle.finish is None:
+                    handle.cancel()
 
     def stream(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
                choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
@@ -553,6 +596,7 @@ class App:
                 continue
             usage = choice.finish.usage
             self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens)
+            self.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens)
             self.metrics.add("reame_generated_tokens_total", usage.completion_tokens)
             self.metrics.add("reame_prompt_seconds_total", usage.prompt_seconds)
             self.metrics.add("reame_generation_seconds_total", usage.decode_seconds)

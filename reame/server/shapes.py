@@ -40,8 +40,11 @@ def finish_reason(event: FinishEvent) -> str:
 class Response:
     """OpenAI shapes for one request: the whole answer, or its stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_piece: Any = None) -> None:
+    def __init__(self, chat: bool, model: str, token_piece: Any = None, per_prompt: int = 1) -> None:
+        """`per_prompt`: choices (or Conclave attempts) per prompt, next to each other; they share the
+        prompt, computed once."""
         self.chat = chat
+        self.per_prompt = per_prompt
         self.model = model
         self.token_piece = token_piece  # set when logprobs were asked for
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -133,7 +136,11 @@ class Response:
         completion = sum(c.finish.usage.completion_tokens for c in choices if c.finish is not None)
         shaped: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                   "total_tokens": prompt_tokens + completion}
-        cached = sum(c.finish.usage.cached_tokens for c in choices if c.finish is not None)
+        # A prompt is counted once for its choices: so are its cached tokens (those of the choice that
+        # computed it; the others shared its KV and say all of it was cached).
+        groups = [choices[i:i + self.per_prompt] for i in range(0, len(choices), self.per_prompt)]
+        cached = sum(min((c.finish.usage.cached_tokens for c in group if c.finish is not None), default=0)
+                     for group in groups)
         shaped["prompt_tokens_details"] = {"cached_tokens": cached}
         drafted = sum(c.finish.usage.draft_tokens for c in choices if c.finish is not None)
         accepted = sum(c.finish.usage.accepted_draft_tokens for c in choices if c.finish is not None)

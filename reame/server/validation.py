@@ -105,6 +105,33 @@ def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) ->
         raise HttpError(400, str(error), param=error.param, code="invalid_value") from None
 
 
+def best_of(fields: Fields, chat: bool) -> int:
+    """Attempts per answer elected by the Conclave (1: none). Completions take OpenAI's `best_of`
+    (equal to `n`: n plain choices, as before); chat, which has no such field, Reame's extension object
+    `"reame": {"best_of": N}`."""
+    n = fields.integer("n", 1, 1, MAX_CHOICES)
+    if chat:
+        extension = fields.body.get("reame")
+        if extension is None:
+            return 1
+        if not isinstance(extension, dict):
+            raise fields.bad("reame", "an object")
+        unknown = sorted(set(extension) - {"best_of"})
+        if unknown:
+            raise HttpError(400, f"'reame' has no field '{unknown[0]}' (it takes: best_of)", param="reame",
+                            code="invalid_value")
+        attempts = Fields(extension).integer("best_of", 1, 1, MAX_CHOICES)
+    else:
+        attempts = fields.integer("best_of", None, 1, MAX_CHOICES)
+        if attempts is None or attempts == n:
+            return 1
+    assert attempts is not None
+    if attempts > 1 and n > 1:
+        raise HttpError(400, "best_of elects one answer per prompt: use it with n = 1", param="best_of",
+                        code="unsupported_parameter")
+    return attempts
+
+
 def check_model(fields: Fields) -> None:
     """`model` is accepted whatever it names (one server serves one model) but must be a string."""
     model = fields.body.get("model")

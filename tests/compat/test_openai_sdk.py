@@ -1,6 +1,7 @@
 """The official `openai` SDK against a live Reame server on SmolLM2-135M."""
 
 import os
+import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,7 @@ MODEL = "smollm2-135m"
 @pytest.fixture(scope="module")
 def server(native_libraries, smollm2_path):
     command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
-               "--parallel", "2", "--ctx", "2048", "--threads", "2"]
+               "--parallel", "3", "--ctx", "2048", "--threads", "2"]
     with live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT))) as live:
         yield live.base
 
@@ -206,3 +207,54 @@ def test_json_object_mode_and_a_bad_schema_through_the_sdk(client):
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "x", "schema": {"type": "string", "pattern": "^a"}}})
     assert "'pattern' is not supported" in raised.value.message
+
+
+def cached_prompt_tokens(server) -> float:
+    """reame_prompt_tokens_cached_total from /metrics."""
+    request = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    found = re.search(r"^reame_prompt_tokens_cached_total (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0  # a counter shows once it has counted something
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_come_from_one_prefill(client, server, stream):
+    messages = [{"role": "user", "content": f"Invent a name for a {'streamed' if stream else 'whole'} cat."}]
+    before = cached_prompt_tokens(server)
+    if stream:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=3, seed=5,
+                                                     temperature=0.9, stream=True,
+                                                     stream_options={"include_usage": True}))
+        texts = ["".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == i)
+                 for i in range(3)]
+        usage = chunks[-1].usage
+    else:
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=3, seed=5,
+                                                temperature=0.9)
+        assert [choice.index for choice in answer.choices] == [0, 1, 2]
+        texts, usage = [choice.message.content for choice in answer.choices], answer.usage
+    assert all(texts)
+    # The first choice computed what it did not find in a slot; the two others shared all of its KV.
+    assert cached_prompt_tokens(server) - before == usage.prompt_tokens_details.cached_tokens + \
+        2 * usage.prompt_tokens
+
+
+def test_best_of_elects_one_answer_through_the_sdk(client):
+    messages = [{"role": "user", "content": "What is 2 plus 2? Answer with just the number."}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            extra_body={"reame": {"best_of": 3}})
+    assert len(answer.choices) == 1 and answer.choices[0].message.content
+    [vote] = answer.model_extra["reame"]["conclave"]
+    assert vote["n"] == 3 and 1 <= vote["consensus"] <= 3 and len(vote["candidates"]) == 3
+    assert answer.usage.completion_tokens == sum(c["completion_tokens"] for c in vote["candidates"]) > 0
+    completion = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=4, best_of=3, temperature=0)
+    assert len(completion.choices) == 1 and completion.model_extra["reame"]["conclave"][0]["n"] == 3
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True,
+                                       extra_body={"reame": {"best_of": 3}})
+    assert raised.value.param == "best_of"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                       extra_body={"reame": {"best_off": 3}})
+    assert "best_off" in str(raised.value)

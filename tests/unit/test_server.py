@@ -131,6 +131,41 @@ def test_n_choices_and_prompt_lists(live):
     assert status == 200 and len(body["choices"]) == 1
 
 
+def test_best_of_answers_with_the_elected_attempt_and_the_vote(live):
+    request = {"prompt": "vote", "max_tokens": 6, "temperature": 0, "seed": 4, "best_of": 3}
+    status, body = live.json("POST", "/v1/completions", request)
+    assert status == 200 and len(body["choices"]) == 1 and body["choices"][0]["index"] == 0
+    [vote] = body["reame"]["conclave"]
+    assert vote["n"] == 3 and len(vote["candidates"]) == 3 and 1 <= vote["consensus"] <= 3
+    assert body["usage"]["completion_tokens"] == sum(c["completion_tokens"] for c in vote["candidates"])
+    assert body["usage"]["prompt_tokens"] == 5  # counted once
+    # The anchor keeps the request's settings: greedy, so a plain request gives its text.
+    plain = live.json("POST", "/v1/completions", {"prompt": "vote", "max_tokens": 6, "temperature": 0})[1]
+    anchor_won = vote["winner"] == 0
+    assert not anchor_won or body["choices"][0]["text"] == plain["choices"][0]["text"]
+    status, chat = live.json("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 4, "reame": {"best_of": 2}})
+    assert status == 200 and len(chat["choices"]) == 1 and chat["reame"]["conclave"][0]["n"] == 2
+    status, same = live.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})
+    assert status == 200 and len(same["choices"]) == 2 and "reame" not in same  # best_of = n: n choices
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "n": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 17}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": "3"}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ("/v1/chat/completions", {"reame": {"best_of": 0}}, "best_of"),
+    ("/v1/chat/completions", {"reame": [3]}, "reame"),
+    ("/v1/chat/completions", {"reame": {"bestof": 3}}, "reame"),
+    ("/v1/chat/completions", {"reame": {"best_of": 2}, "n": 2}, "best_of"),
+])
+def test_bad_best_of_is_400_naming_the_field(live, path, body, param):
+    body = dict({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {}, **body)
+    status, answer = live.json("POST", path, body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
 def test_seeded_requests_repeat(live):
     request = {"prompt": "seeded", "max_tokens": 12, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     first = live.json("POST", "/v1/completions", request)[1]["choices"][0]["text"]
