@@ -1,24 +1,32 @@
 #!/usr/bin/env python3
 """Time to first token with a shared document prefix: cold, warm from RAM, warm from disk, vs llama-server.
 
-    python bench/prefix_cache.py                                   # Qwen2.5-Coder-1.5B, 1000 and 2000 tokens
+    python bench/prefix_cache.py                                   # Qwen2.5-Coder-1.5B, 2000 and 3900 tokens
     python bench/prefix_cache.py --model smollm2-135m --prefix 1000
 
 For each prefix length a document of exactly that many tokens is followed by
 a different short question in every request (streamed /v1/completions,
-greedy, TTFT = request sent to first token). One server runs at a time:
+greedy, TTFT = request sent to first token). One server computes at a time:
 
 - reame: cold (empty cache directory); the same process again (its slot
-  still holds the document); from the RAM tier (after an unrelated request
+  still holds the document; `--reps` times, in turn with llama-server's, both
+  servers up and one computing at a time; the median); from the RAM tier (after an unrelated request
   took the slot); a new process on the same directory (disk tier; the file
   is in the OS page cache, as on a server that wrote it recently); and, when
   this host lets us drop the page cache, a new process reading the disk cold.
 - llama-server (same pinned build, model, threads, context): cold; the same
-  process again (cache_prompt); a new process after `/slots/0?action=save`,
+  process again (cache_prompt; in turn with Reame's, the median); a new process after `/slots/0?action=save`,
   restoring with `?action=restore` first (its best equivalent across a
   restart; the restore time is counted in its TTFT).
 
-Also printed: bytes per token of the snapshot files for f16 and q8_0 KV.
+Every Reame server starts on a fresh cache directory, so a cold run never finds
+an earlier run's snapshots. Each server's first question is asked again at the
+end, warm: its greedy answer must be the cold one ("same answer").
+
+Also printed: where one warm request's time goes (a trace in this process,
+after the servers: tokenize and prefix-cache lookup, each decode step with its
+rows and context length, the first token event), and bytes per token of the
+snapshot files for f16 and q8_0 KV.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import http.client
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,19 +73,31 @@ def post(port: int, path: str, body: dict, timeout_s: float = 600) -> dict:
     return json.loads(data) if data else {}
 
 
-def first_token_s(port: int, prompt: str) -> float:
-    """Seconds from sending a streamed greedy completion to its first token."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True})
+ANSWER_TOKENS = 8
+
+
+def first_token(port: int, prompt: str) -> tuple[float, str]:
+    """Seconds from sending a streamed greedy completion to its first token, and its whole text."""
+    body = json.dumps({"prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
+                       "stream": True})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     started = time.perf_counter()
     connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    first = 0.0
+    first, pieces = 0.0, []
     for raw in connection.getresponse():
         line = raw.strip()
-        if not first and line.startswith(b"data: {") and json.loads(line[6:])["choices"][0].get("text"):
+        if not line.startswith(b"data: {"):
+            continue
+        text = json.loads(line[6:])["choices"][0].get("text") or ""
+        if text and not first:
             first = time.perf_counter() - started
+        pieces.append(text)
     connection.close()
-    return first
+    return first, "".join(pieces)
+
+
+def first_token_s(port: int, prompt: str) -> float:
+    return first_token(port, prompt)[0]
 
 
 class Server:
@@ -125,38 +146,82 @@ def exact_document(port: int, n_tokens: int) -> str:
     return post(port, "/detokenize", {"tokens": tokens[:n_tokens]})["content"]
 
 
-def measure_reame(path: str, args: argparse.Namespace, document: str, work: Path) -> dict[str, float]:
-    cache_dir = work / "kv"
+def measure(path: str, args: argparse.Namespace, document: str, work: Path
+            ) -> tuple[dict[str, float], dict[str, float], dict[str, bool]]:
+    """TTFTs of every case for Reame and llama-server, and whether each one's warm greedy answer was its
+    cold one. Both servers are up for the warm same-process case, asked in turn `args.reps` times (one
+    computing at a time), so the two medians share this machine's mood; the rest is one request each."""
+    cache_dir, slot_dir = work / "kv", work / "slots"
     shutil.rmtree(cache_dir, ignore_errors=True)
-    times: dict[str, float] = {}
+    slot_dir.mkdir(exist_ok=True)
+    reame: dict[str, float] = {}
+    llama: dict[str, float] = {}
+    answers: dict[str, str] = {}
+    same: dict[str, bool] = {}
+    with reame_server(path, args, cache_dir) as ours, llama_server(path, args, slot_dir) as theirs:
+        servers = {"reame": (ours, reame), "llama-server": (theirs, llama)}
+        for name, (server, times) in servers.items():
+            times["cold"], answers[name] = first_token(server.port, document + question(1))
+        warm: dict[str, list[float]] = {name: [] for name in servers}
+        for rep in range(args.reps):
+            for name in (list(servers) if rep % 2 == 0 else list(reversed(servers))):
+                warm[name].append(first_token_s(servers[name][0].port, document + question(10 + rep)))
+        for name, (server, times) in servers.items():
+            times["same process (slot)"] = statistics.median(warm[name])
+        same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
+        post(theirs.port, "/slots/0?action=save", {"filename": "document.bin"})
+        first_token_s(ours.port, "An unrelated request that takes the only slot.")
+        reame["RAM tier"] = first_token_s(ours.port, document + question(3))
     with reame_server(path, args, cache_dir) as server:
-        times["cold"] = first_token_s(server.port, document + question(1))
-        times["same process (slot)"] = first_token_s(server.port, document + question(2))
-        first_token_s(server.port, "An unrelated request that takes the only slot.")
-        times["RAM tier"] = first_token_s(server.port, document + question(3))
-    with reame_server(path, args, cache_dir) as server:
-        times["new process, disk (page cache)"] = first_token_s(server.port, document + question(4))
+        reame["new process, disk (page cache)"] = first_token_s(server.port, document + question(4))
+        same["reame"] = first_token(server.port, document + question(1))[1] == answers["reame"]
     if drop_page_cache():
         with reame_server(path, args, cache_dir) as server:
             drop_page_cache()
-            times["new process, disk (cold read)"] = first_token_s(server.port, document + question(5))
-    return times
-
-
-def measure_llama_server(path: str, args: argparse.Namespace, document: str, work: Path) -> dict[str, float]:
-    slot_dir = work / "slots"
-    slot_dir.mkdir(exist_ok=True)
-    times: dict[str, float] = {}
-    with llama_server(path, args, slot_dir) as server:
-        times["cold"] = first_token_s(server.port, document + question(1))
-        times["same process (slot)"] = first_token_s(server.port, document + question(2))
-        post(server.port, "/slots/0?action=save", {"filename": "document.bin"})
+            reame["new process, disk (cold read)"] = first_token_s(server.port, document + question(5))
     with llama_server(path, args, slot_dir) as server:
         started = time.perf_counter()
         post(server.port, "/slots/0?action=restore", {"filename": "document.bin"})
         restore_s = time.perf_counter() - started
-        times["new process, slot restore"] = restore_s + first_token_s(server.port, document + question(4))
-    return times
+        llama["new process, slot restore"] = restore_s + first_token_s(server.port, document + question(4))
+    return reame, llama, same
+
+
+def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> list[str]:
+    """Where one warm request's time goes: the document is prefilled once, then a new question is timed
+    phase by phase through the engine (the server adds its HTTP parsing and the event's write)."""
+    from reame.engine import Engine, GenerationRequest, SamplingParams
+    from reame.engine.backend import LlamaBackend, ModelSettings
+
+    backend = LlamaBackend(ModelSettings(path, n_ctx=args.ctx, n_threads=args.threads, n_seq_max=4))
+    steps: list[str] = []
+    decode = backend.decode
+
+    def traced(tokens, positions, seq_ids, outputs):
+        started = time.perf_counter()
+        status = decode(tokens, positions, seq_ids, outputs)
+        steps.append(f"decode step: {len(tokens)} rows at context {positions[-1] + 1}: "
+                     f"{1000 * (time.perf_counter() - started):.1f} ms")
+        return status
+
+    backend.decode = traced
+    params = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        with Engine(backend) as engine:
+            engine.generate(GenerationRequest(document + question(1), params))
+            steps.clear()
+            started = time.perf_counter()
+            handle = engine.submit(GenerationRequest(document + question(2), params))
+            submitted = time.perf_counter()
+            next(handle.events())
+            first = time.perf_counter()
+            for _ in handle.events():
+                pass
+    finally:
+        backend.close()
+    return [f"tokenize, validate and look up the prefix cache (caller's thread): "
+            f"{1000 * (submitted - started):.1f} ms", *steps,
+            f"submission to the first token event: {1000 * (first - submitted):.1f} ms"]
 
 
 def bytes_per_token(path: str, args: argparse.Namespace, document: str, n_tokens: int, work: Path,
@@ -179,9 +244,10 @@ def bytes_per_token(path: str, args: argparse.Namespace, document: str, n_tokens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--prefix", type=int, nargs="+", default=[1000, 2000])
+    parser.add_argument("--prefix", type=int, nargs="+", default=[2000, 3900])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5, help="warm same-process requests per server, in turn")
     args = parser.parse_args()
     path = str(model_path(args.model))
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as scratch:
@@ -190,18 +256,24 @@ def main() -> None:
             documents = {n: exact_document(server.port, n) for n in args.prefix}
         rows = []
         for n, document in documents.items():
-            reame_times = measure_reame(path, args, document, work)
-            llama_times = measure_llama_server(path, args, document, work)
-            cold = reame_times["cold"]
-            for name, seconds in reame_times.items():
-                rows.append([str(n), "reame", name, f"{seconds:.3f}", f"{cold / seconds:.0f}x"])
-            for name, seconds in llama_times.items():
-                rows.append([str(n), "llama-server", name, f"{seconds:.3f}",
-                             f"{llama_times['cold'] / seconds:.0f}x"])
+            reame_times, llama_times, same = measure(path, args, document, work)
+            # Each Reame case against llama-server's: cold against cold, every warm case against its warm
+            # same process (its best in one process).
+            peer = {name: llama_times["cold" if name == "cold" else "same process (slot)"] for name in reame_times}
+            for server, times in (("reame", reame_times), ("llama-server", llama_times)):
+                for name, seconds in times.items():
+                    against = f"{seconds / peer[name]:.2f}" if server == "reame" else ""
+                    rows.append([str(n), server, name, f"{seconds:.3f}", f"{times['cold'] / seconds:.0f}x",
+                                 against, "yes" if same[server] else "NO"])
+        trace = trace_warm_request(path, args, documents[args.prefix[-1]])
         sizes = {kv: bytes_per_token(path, args, documents[args.prefix[0]], args.prefix[0], work, kv)
                  for kv in ("f16", "q8_0")}
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads\n")
-    print_table(["prefix tokens", "server", "case", "TTFT s", "vs its cold"], rows)
+    print_table(["prefix tokens", "server", "case", "TTFT s", "vs its cold", "reame / llama-server",
+                 "same answer warm"], rows)
+    print(f"\nOne warm request in this process ({args.prefix[-1]}-token document, a new question):")
+    for line in trace:
+        print(f"- {line}")
     print()
     print_table(["KV type", "bytes/token on disk", "state bytes/token", "file/state"],
                 [[kv, f"{disk:,.0f}", f"{raw:,.0f}", f"{disk / raw:.3f}"] for kv, (disk, raw) in sizes.items()])
