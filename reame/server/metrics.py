@@ -43,7 +43,8 @@ class Metrics:
         """Values kept elsewhere, with labels, read at each render."""
         self._collectors.append(collect)
 
-    def render(self) -> str:
+    def samples(self) -> list[Sample]:
+        """Every counter, gauge and collected value, as of now."""
         with self._lock:
             counters = sorted(self._counters.items())
         samples = [Sample(name, *self._help.get(name, ("counter", name)), dict(labels), value)
@@ -51,9 +52,17 @@ class Metrics:
         samples += [Sample(name, "gauge", text, {}, read()) for name, (text, read) in sorted(self._gauges.items())]
         for collect in self._collectors:
             samples += collect()
+        return samples
+
+    def as_json(self) -> list[dict[str, object]]:
+        """The samples for a script or the web page: name, labels, value."""
+        return [{"name": sample.name, "labels": sample.labels, "value": sample.value} for sample in self.samples()]
+
+    def render(self) -> str:
+        """The Prometheus text exposition format."""
         lines: list[str] = []
         seen: set[str] = set()
-        for sample in samples:
+        for sample in self.samples():
             if sample.name not in seen:
                 seen.add(sample.name)
                 lines += [f"# HELP {sample.name} {sample.help}", f"# TYPE {sample.name} {sample.kind}"]

@@ -8,6 +8,7 @@ SDKs work unchanged.
 from __future__ import annotations
 
 import array
+from importlib import resources
 import base64
 import dataclasses
 import logging
@@ -33,6 +34,7 @@ from reame.server.validation import (MAX_CHOICES, Fields, best_of, chat_messages
                                      completion_prompts, embedding_inputs, sampling_params, stream_usage)
 
 log = logging.getLogger("reame.server")
+WEB_PAGE = resources.files("reame.web").joinpath("index.html").read_bytes()
 
 POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
@@ -48,6 +50,7 @@ class App:
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
+        self.metrics.describe("reame_generations_total", "counter", "answers (choices) finished")
         self.metrics.describe("reame_prompt_tokens_total", "counter", "prompt tokens processed")
         self.metrics.describe("reame_prompt_tokens_cached_total", "counter",
                               "prompt tokens found in the KV (slot, session, prefix cache, a twin request's "
@@ -115,8 +118,8 @@ class App:
     def dispatch(self, handler: Handler) -> None:
         path = canonical_path(handler.path.split("?", 1)[0])
         try:
-            if path == "/health":
-                self.health(handler)
+            if path in PUBLIC_ROUTES:  # no secrets: the web page asks for the key itself
+                PUBLIC_ROUTES[path](self, handler, path)
                 return
             if not handler.authorized():
                 raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
@@ -141,14 +144,32 @@ class App:
                 handler.send_error_json(HttpError(500, "internal server error (see the server log)", "server_error",
                                                   "internal_error"))
 
-    def health(self, handler: Handler) -> None:
+    def health(self, handler: Handler, _path: str = "/health") -> None:
+        """Liveness, and whether the other endpoints need a key (the web page asks for one only then)."""
         self.require(handler, "GET", "HEAD")
+        auth = bool(self.settings.api_keys)
         if self.engine is None:
-            handler.send_json(503, {"status": "loading"}, {"Retry-After": "5"})
+            handler.send_json(503, {"status": "loading", "auth": auth}, {"Retry-After": "5"})
         elif self.engine.status.dead:
-            handler.send_json(503, {"status": "error", "message": self.engine.status.dead})
+            handler.send_json(503, {"status": "error", "message": self.engine.status.dead, "auth": auth})
         else:
-            handler.send_json(200, {"status": "ok"})
+            handler.send_json(200, {"status": "ok", "auth": auth})
+
+    def web_page(self, handler: Handler, _path: str) -> None:
+        """The built-in page (reame/web/index.html): chat playground and live dashboard."""
+        self.require(handler, "GET", "HEAD")
+        handler.send_body(200, WEB_PAGE, "text/html; charset=utf-8",
+                          {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                           "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                      "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+    def stats(self, handler: Handler, _path: str) -> None:
+        """Every metric as JSON, with the model and the server's clock: what the dashboard polls."""
+        if not self.settings.metrics:
+            raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
+        self.require(handler, "GET")
+        handler.send_json(200, {"model": self.settings.model_id, "time": time.time(),
+                                "samples": self.metrics.as_json()})
 
     @staticmethod
     def require(handler: Handler, *methods: str) -> None:
@@ -595,6 +616,7 @@ class App:
             if choice.finish is None:
                 continue
             usage = choice.finish.usage
+            self.metrics.add("reame_generations_total")
             self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens)
             self.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens)
             self.metrics.add("reame_generated_tokens_total", usage.completion_tokens)
@@ -602,8 +624,10 @@ class App:
             self.metrics.add("reame_generation_seconds_total", usage.decode_seconds)
 
 
+PUBLIC_ROUTES = {"/health": App.health, "/": App.web_page, "/index.html": App.web_page}
 ROUTES = {
     "/metrics": App.metrics_text,
+    "/stats": App.stats,
     "/v1/sessions": App.create_session,
     "/v1/models": App.models,
     "/v1/completions": App.completions,

@@ -112,6 +112,8 @@ def test_under_a_python_without_zstandard_it_serves_caches_raw_and_saves_session
         post(live.base, "/v1/chat/completions", {"session": session, "max_tokens": 4,
                                                  "messages": [{"role": "user", "content": document}]})
         assert post(live.base, f"/v1/sessions/{session}/save", {})["saved"] is True
+        with urllib.request.urlopen(live.base + "/", timeout=30) as page:  # the web page travels in the file
+            assert page.read() == (ROOT / "reame" / "web" / "index.html").read_bytes()
     log = "".join(live.log)
     assert "Traceback" not in log and log.count("zstandard module is not available") == 1
     cache = tmp_path / "home" / ".cache" / "reame"

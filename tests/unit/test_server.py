@@ -58,7 +58,7 @@ def live(engine):
 
 
 def test_health_models_and_unknown_routes(live):
-    assert live.json("GET", "/health") == (200, {"status": "ok"})
+    assert live.json("GET", "/health") == (200, {"status": "ok", "auth": False})
     status, body = live.json("GET", "/v1/models")
     assert status == 200 and body["data"][0]["id"] == "reame" and body["object"] == "list"
     assert live.json("GET", "/v1/models/reame")[0] == 200
@@ -84,10 +84,32 @@ def test_models_report_when_the_server_started(live):
     assert live.json("GET", f"/models/{card['id']}")[1] == card
 
 
+def test_the_web_page_is_served_without_a_key_and_its_stats_need_one(engine):
+    server = Live(engine, api_keys=("secret",))
+    try:
+        response, page = server.request("GET", "/")
+        assert response.status == 200 and response.getheader("Content-Type") == "text/html; charset=utf-8"
+        assert b"<title>Reame</title>" in page and server.request("GET", "/index.html")[1] == page
+        assert "script-src 'unsafe-inline'" in response.getheader("Content-Security-Policy")
+        assert server.json("GET", "/health") == (200, {"status": "ok", "auth": True})
+        assert server.json("GET", "/stats")[0] == 401
+        assert server.json("POST", "/", {})[0] == 405
+        assert server.json("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                           {"Authorization": "Bearer secret"})[0] == 200
+        status, stats = server.json("GET", "/stats", headers={"Authorization": "Bearer secret"})
+        assert status == 200 and stats["model"] == "reame" and stats["time"] > 0
+        values = {(s["name"], tuple(sorted(s["labels"].items()))): s["value"] for s in stats["samples"]}
+        assert values[("reame_generations_total", ())] == 1
+        assert values[("reame_generated_tokens_total", ())] == 2
+        assert values[("reame_busy_slots", ())] == 0
+    finally:
+        server.close()
+
+
 def test_health_is_503_while_the_model_loads():
     server = Live(None)
     try:
-        assert server.json("GET", "/health") == (503, {"status": "loading"})
+        assert server.json("GET", "/health") == (503, {"status": "loading", "auth": False})
         assert server.json("POST", "/v1/completions", {"prompt": "x"})[0] == 503
     finally:
         server.close()
@@ -334,7 +356,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(live):
     for _ in range(3):
         connection.request("GET", "/health")
         response = connection.getresponse()
-        assert response.status == 200 and response.read() == b'{"status":"ok"}'
+        assert response.status == 200 and response.read() == b'{"status":"ok","auth":false}'
     connection.close()
 
 

@@ -1,0 +1,1 @@
+"""The built-in web page (index.html), served at GET / from the package and so from the .pyz."""

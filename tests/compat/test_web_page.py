@@ -1,0 +1,151 @@
+"""The built-in web page in a real browser (Debian's chromium and chromium-driver, driven by selenium):
+against a live SmolLM2 server with an API key, and against a FakeBackend server whose answer is HTML.
+Screenshots go to build/test-artifacts/ (REAME_TEST_ARTIFACTS overrides it)."""
+
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from reame.engine import Engine
+from reame.engine.fake import FakeBackend, reply_rule
+from tests.live_server import live_server
+from tests.unit.test_server import Live
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "web-page-key"
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(os.environ.get("REAME_TEST_ARTIFACTS", ROOT / "build" / "test-artifacts"))
+HOSTILE = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"><b>bold</b>'
+
+
+@pytest.fixture(scope="module")
+def browser():
+    assert CHROMIUM.exists() and CHROMEDRIVER.exists(), \
+        "the browser tests need Debian's chromium and chromium-driver (.ci/run installs them)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(native_libraries, smollm2_path):
+    command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
+               "--parallel", "2", "--ctx", "2048", "--threads", "2"]
+    with live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT))) as live:
+        yield live.base
+
+
+def wait(driver, condition, timeout_s=120):
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(lambda _: condition())
+
+
+def screenshot(driver, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def console_errors(driver) -> list[str]:
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def send(driver, prompt: str, max_tokens: int, temperature: float = 0) -> None:
+    for field, value in (("max_tokens", max_tokens), ("temperature", temperature)):
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(str(value))
+    driver.find_element(By.ID, "prompt").send_keys(prompt)
+    driver.find_element(By.ID, "send").click()
+
+
+def last_answer(driver):
+    answers = driver.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")
+    return answers[-1] if answers else None
+
+
+def busy_slots(base: str) -> float:
+    request = urllib.request.Request(base + "/stats", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        samples = json.loads(response.read())["samples"]
+    return sum(s["value"] for s in samples if s["name"] == "reame_busy_slots")
+
+
+def test_chat_streams_an_answer_with_its_stats_and_the_dashboard_charts_it(browser, smollm2_server):
+    browser.get(smollm2_server + "/")
+    wait(browser, lambda: browser.find_element(By.ID, "keybox").is_displayed())  # the server wants a key
+    browser.find_element(By.ID, "key").send_keys(KEY)
+    browser.find_element(By.ID, "usekey").click()
+    wait(browser, lambda: browser.find_element(By.ID, "model").text == "smollm2-135m")
+    send(browser, "Name three colours of the rainbow.", 24)
+    wait(browser, lambda: "tokens" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text)
+    answer = last_answer(browser)
+    assert answer.find_element(By.CLASS_NAME, "text").text.strip()
+    stats = answer.find_element(By.CLASS_NAME, "stats").text
+    assert "first token" in stats and "reused from cache" in stats
+    screenshot(browser, "web-chat")
+
+    browser.find_element(By.ID, "tab-dashboard").click()
+    # A point per poll: the answer's tokens show up as a rate above zero in the tokens/s chart.
+    wait(browser, lambda: browser.find_element(By.ID, "c-answers").text.startswith("1 ·"))
+    wait(browser, lambda: any(float(point.split(",")[1]) < 100 for line in
+                              browser.find_elements(By.CSS_SELECTOR, "#ch-rate polyline")
+                              for point in line.get_attribute("points").split()), timeout_s=30)
+    screenshot(browser, "web-dashboard")
+    assert console_errors(browser) == []
+
+
+def test_the_stop_button_cancels_the_generation(browser, smollm2_server):
+    browser.get(smollm2_server + "/")
+    browser.find_element(By.ID, "key").send_keys(KEY)
+    browser.find_element(By.ID, "usekey").click()
+    send(browser, "Write a very long story about a lighthouse keeper.", 1500, temperature=0.7)
+    wait(browser, lambda: last_answer(browser).find_element(By.CLASS_NAME, "text").text.strip())
+    browser.find_element(By.ID, "stop").click()
+    wait(browser, lambda: last_answer(browser).find_element(By.CLASS_NAME, "stats").text == "stopped")
+    wait(browser, lambda: busy_slots(smollm2_server) == 0, timeout_s=30)  # the server freed the slot
+    assert browser.find_element(By.ID, "send").is_enabled()
+    assert console_errors(browser) == []
+
+
+@pytest.fixture
+def html_server():
+    with Engine(FakeBackend(n_ctx=1024, n_seq_max=2, rule=reply_rule(HOSTILE))) as engine:
+        server = Live(engine)
+        yield f"http://127.0.0.1:{server.port}"
+        server.close()
+
+
+def test_model_output_with_html_in_it_stays_text(browser, html_server):
+    browser.get(html_server + "/")
+    send(browser, "Say something dangerous.", 200)
+    wait(browser, lambda: "tokens" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text, 30)
+    answer = last_answer(browser).find_element(By.CLASS_NAME, "text")
+    assert answer.text == HOSTILE  # shown as written, not parsed
+    assert browser.find_elements(By.CSS_SELECTOR, "#log b, #log img, #log script") == []
+    assert browser.execute_script("return window.pwned === undefined")
+    assert browser.find_element(By.ID, "keybox").is_displayed() is False  # no key on this server
+    assert console_errors(browser) == []
+
+
+def test_the_page_fits_a_phone_sized_screen(browser, html_server):
+    browser.set_window_size(390, 844)
+    try:
+        browser.get(html_server + "/")
+        send(browser, "Hello.", 50)
+        wait(browser, lambda: "tokens" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text, 30)
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        screenshot(browser, "web-phone")
+    finally:
+        browser.set_window_size(1200, 900)
