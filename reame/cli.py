@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from reame import __version__, assembly, catalog, config, fetch
+from reame.arca import server as arca_server
+from reame.arca.server import ArcaSettings
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
@@ -146,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--ctx", type=positive_int, help="context length in tokens (chosen for host and model)")
     warm.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type (chosen for the host)")
 
+    arca = commands.add_parser("arca", help="the Redis-protocol daemon: exact answer cache and shared corpus",
+                               description="Serve ARCA, a Redis-protocol store (redis-cli and redis-py work with "
+                                           "it) that Reame servers share: exact answers and the Palimpsest corpus.")
+    arca.add_argument("--host", dest="arca_host", help="address to listen on (127.0.0.1)")
+    arca.add_argument("--port", dest="arca_port", type=non_negative_int, help="TCP port (6420; 0 picks one)")
+    arca.add_argument("--dir", dest="arca_dir", help="directory of the append-only file ($REAME_CACHE/arca)")
+    arca.add_argument("--max-mb", dest="arca_max_mb", type=non_negative_float,
+                      help="byte budget in MiB, least recently used keys evicted past it (256; 0 = no limit)")
+    arca.add_argument("--requirepass", dest="arca_requirepass", help="password clients must AUTH with")
+    add_common_flags(arca, default=argparse.SUPPRESS)
     commands.add_parser("list", help="the model catalog and what is on disk")
     pull = commands.add_parser("pull", help="download a catalog model without running it")
     pull.add_argument("model", help="a catalog name")
@@ -204,6 +216,9 @@ def load_settings(args: argparse.Namespace) -> Settings:
         "model.threads": getattr(args, "threads", None), "model.context_length": getattr(args, "ctx", None),
         "memory.kv_cache_type": getattr(args, "kv_type", None), "model.batch": getattr(args, "batch", None),
         "model.path": getattr(args, "model", None),
+        "arca.host": getattr(args, "arca_host", None), "arca.port": getattr(args, "arca_port", None),
+        "arca.dir": getattr(args, "arca_dir", None), "arca.max_mb": getattr(args, "arca_max_mb", None),
+        "arca.requirepass": getattr(args, "arca_requirepass", None),
         "speculative.draft_model": getattr(args, "draft_model", None),
         "server.host": args.host, "server.port": args.port,
         "server.api_key": ",".join(args.api_key) if args.api_key else None, "server.parallel": args.parallel,
@@ -372,6 +387,15 @@ def read_text_file(name: str) -> str:
     return text
 
 
+def command_arca(settings: Settings) -> int:
+    options = settings.arca
+    if options.host not in ("127.0.0.1", "localhost", "::1") and not options.requirepass:
+        log.warning("ARCA listens on %s without a password: anyone who can reach it can read and change it "
+                    "(set --requirepass)", options.host)
+    return arca_server.run(ArcaSettings(options.host, options.port, options.directory, options.max_bytes,
+                                        options.requirepass))
+
+
 def command_list() -> int:
     directory = fetch.models_dir()
     print(f"Catalog (reame run NAME); models live in {directory}\n")
@@ -413,13 +437,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command_list()
         if args.command == "pull":
             return command_pull(args)
-        settings = load_settings(args) if args.command in ("run", "warm") or args.config else None
+        settings = load_settings(args) if args.command in ("run", "warm", "arca") or args.config else None
         if settings is not None and not quiet:
             configure_logging(LOG_LEVELS[settings.log_level])
         if args.command == "run":
             return command_run(args, settings)
         if args.command == "warm":
             return command_warm(args, settings)
+        if args.command == "arca":
+            return command_arca(settings)
         if args.config:
             return command_config_mode(args, settings)
         parser.print_help(sys.stderr)

@@ -88,6 +88,12 @@ KEYS: tuple[Key, ...] = (
         "snapshot a prompt once at least this many of its tokens had to be prefilled", minimum=1),
     Key("cache.block_tokens", "int", 32, "tokens per block of the prefix index", minimum=1),
     Key("cache.compress", "bool", True, "zstd-compress snapshots when a sample shows that it pays"),
+    Key("arca.host", "str", "127.0.0.1", "address `reame arca` listens on (0.0.0.0 exposes it: set a password)"),
+    Key("arca.port", "int", 6420, "TCP port of `reame arca`", minimum=0, maximum=65535),
+    Key("arca.dir", "str", "", "`reame arca`'s append-only file directory; empty = $REAME_CACHE/arca"),
+    Key("arca.max_mb", "float", 256, "`reame arca`'s byte budget; least recently used keys are evicted past it; "
+        "0 = no limit", minimum=0),
+    Key("arca.requirepass", "str", "", "password clients must send (AUTH) to `reame arca`; empty = none"),
     Key("embeddings.context_length", "int", 2048,
         "tokens of the embedding context (the longest input, and the most tokens per embedding decode)", minimum=16),
     Key("embeddings.pooling", "choice", "auto", "how an embedding pools its tokens; auto = the model's own, else mean",

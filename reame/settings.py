@@ -87,6 +87,15 @@ class EmbeddingOptions:
 
 
 @dataclass(frozen=True)
+class ArcaOptions:
+    host: str
+    port: int
+    directory: Path
+    max_bytes: int
+    requirepass: str
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every section; `origins` says where each key's value came from (for --print-config)."""
 
@@ -97,6 +106,7 @@ class Settings:
     cache: CacheOptions
     speculative: SpeculativeOptions
     embeddings: EmbeddingOptions
+    arca: ArcaOptions
     generation: SamplingParams  # the CLI's defaults; API requests carry their own
     origins: tuple[tuple[str, object, str], ...]  # (key, value, origin)
 
@@ -139,6 +149,9 @@ def from_values(values: dict[str, Value]) -> Settings:
             max_draft_tokens=get("speculative.max_draft_tokens"),
             lookup_max_ngram=get("speculative.lookup_max_ngram"), lookup_min_ngram=get("speculative.lookup_min_ngram")),
         embeddings=EmbeddingOptions(get("embeddings.context_length"), get("embeddings.pooling")),
+        arca=ArcaOptions(get("arca.host"), get("arca.port"),
+                         Path(get("arca.dir")).expanduser() if get("arca.dir") else cache_root() / "arca",
+                         int(get("arca.max_mb") * 2**20), get("arca.requirepass")),
         generation=SamplingParams(
             max_tokens=get("generation.max_tokens"), temperature=get("generation.temperature"),
             seed=get("generation.seed"), top_k=get("generation.top_k"), top_p=get("generation.top_p"),

@@ -1,0 +1,240 @@
+"""RESP, the Redis protocol: an incremental, bounded request parser and the reply encoders.
+
+Requests are arrays of bulk strings (`*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n`) or inline
+lines (`GET k\\r\\n`, as typed into telnet). The parser keeps where it stopped, so a
+large bulk arriving in pieces is scanned once, not again at every piece; every
+length is bounded before anything is allocated, and anything malformed raises
+ProtocolError (the server answers `-ERR Protocol error: …` and closes, as Redis does).
+
+Replies are RESP2 unless the connection said `HELLO 3`: then nulls are `_` and maps
+`%`, as RESP3 clients expect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
+MAX_ARRAY_ITEMS = 1024 * 1024
+MAX_INLINE_BYTES = 64 * 1024
+
+Reply = Union[None, int, bytes, str, list, dict, "Error", "Simple"]
+
+
+class ProtocolError(Exception):
+    """Malformed or oversized input: answer it and close the connection."""
+
+
+class Error(str):
+    """An error reply (`-ERR …`)."""
+
+
+class Simple(str):
+    """A status reply (`+OK`)."""
+
+
+OK = Simple("OK")
+
+
+class RequestParser:
+    """Bytes in, commands (lists of bytes) out; feed() whatever the socket gave."""
+
+    def __init__(self, max_bulk: int = MAX_BULK_BYTES, max_items: int = MAX_ARRAY_ITEMS,
+                 max_inline: int = MAX_INLINE_BYTES) -> None:
+        self.max_bulk, self.max_items, self.max_inline = max_bulk, max_items, max_inline
+        self._buffer = bytearray()
+        self._position = 0  # where the command being read started
+        # An array being read: the items read so far, how many are expected, where to read next.
+        self._items: list[bytes] | None = None
+        self._expected = 0
+        self._cursor = 0
+        self._needed = 0  # bytes the buffer must hold before a retry can progress
+
+    def feed(self, data: bytes) -> list[list[bytes]]:
+        """The complete commands `data` finished (empty ones dropped); ProtocolError on bad input."""
+        self._buffer += data
+        commands = []
+        while True:
+            if len(self._buffer) < self._needed:
+                break
+            command = self._next()
+            if command is None:
+                break
+            if command:
+                commands.append(command)
+        if self._position and self._items is None:
+            del self._buffer[:self._position]  # keep only what is not parsed yet
+            self._cursor -= self._position
+            self._needed = max(0, self._needed - self._position)
+            self._position = 0
+        return commands
+
+    def _next(self) -> list[bytes] | None:
+        buffer = self._buffer
+        if self._items is None:
+            if self._position >= len(buffer):
+                return None
+            if buffer[self._position] != ord("*"):
+                return self._inline()
+            end = self._line_end(self._position, self.max_inline)
+            if end < 0:
+                return None
+            count = self._number(buffer[self._position + 1:end], "multibulk length")
+            if count > self.max_items:
+                raise ProtocolError("invalid multibulk length")
+            self._cursor = end + 2
+            if count <= 0:
+                self._position = self._cursor
+                return []
+            self._items, self._expected = [], count
+        items = self._items
+        while len(items) < self._expected:
+            cursor = self._cursor
+            if cursor >= len(buffer):
+                self._needed = cursor + 1
+                return None
+            if buffer[cursor] != ord("$"):
+                raise ProtocolError(f"expected '$', got '{chr(buffer[cursor])}'")
+            end = self._line_end(cursor, 32)
+            if end < 0:
+                self._needed = len(buffer) + 1
+                return None
+            length = self._number(buffer[cursor + 1:end], "bulk length")
+            if length < 0 or length > self.max_bulk:
+                raise ProtocolError("invalid bulk length")
+            start = end + 2
+            if len(buffer) < start + length + 2:
+                self._needed = start + length + 2  # wait for the whole bulk, without rescanning
+                return None
+            if buffer[start + length:start + length + 2] != b"\r\n":
+                raise ProtocolError("a bulk string must end with CRLF")
+            items.append(bytes(buffer[start:start + length]))
+            self._cursor = start + length + 2
+        self._items, self._needed = None, 0
+        self._position = self._cursor
+        return items
+
+    def _inline(self) -> list[bytes] | None:
+        end = self._buffer.find(b"\n", self._position)
+        if end < 0:
+            if len(self._buffer) - self._position > self.max_inline:
+                raise ProtocolError("too big inline request")
+            self._needed = len(self._buffer) + 1
+            return None
+        if end - self._position > self.max_inline:
+            raise ProtocolError("too big inline request")
+        line = bytes(self._buffer[self._position:end]).rstrip(b"\r")
+        self._position = end + 1
+        self._needed = 0
+        return split_inline(line)
+
+    def _line_end(self, start: int, limit: int) -> int:
+        """Where the CRLF ending the line at `start` is (-1: not arrived; ProtocolError past `limit`)."""
+        end = self._buffer.find(b"\r\n", start, start + limit + 2)
+        if end < 0 and len(self._buffer) - start > limit:
+            raise ProtocolError("line too long")
+        return end
+
+    @staticmethod
+    def _number(digits: bytes | bytearray, what: str) -> int:
+        text = bytes(digits)
+        if not text or not (text.isdigit() or (text[:1] == b"-" and text[1:].isdigit())):
+            raise ProtocolError(f"invalid {what}")
+        return int(text)
+
+
+def split_inline(line: bytes) -> list[bytes]:
+    """Words of an inline command: spaces and tabs separate them; "double" or 'single' quotes keep
+    spaces (with \\n, \\r, \\t, \\\\, \\" and \\xHH escapes in double quotes), as redis-cli's input does."""
+    words: list[bytes] = []
+    i, n = 0, len(line)
+    while True:
+        while i < n and line[i] in b" \t":
+            i += 1
+        if i >= n:
+            return words
+        word = bytearray()
+        quote = line[i] if line[i] in b"\"'" else 0
+        if quote:
+            i += 1
+            while True:
+                if i >= n:
+                    raise ProtocolError("unbalanced quotes in request")
+                c = line[i]
+                if c == quote:
+                    i += 1
+                    if i < n and line[i] not in b" \t":
+                        raise ProtocolError("unbalanced quotes in request")
+                    break
+                if c == ord("\\") and quote == ord('"') and i + 1 < n:
+                    i += 1
+                    escaped = line[i]
+                    if escaped == ord("x") and i + 2 < n + 0 and _is_hex(line[i + 1:i + 3]):
+                        word.append(int(line[i + 1:i + 3], 16))
+                        i += 3
+                        continue
+                    word.append({ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("b"): 8, ord("a"): 7}.get(escaped,
+                                                                                                       escaped))
+                elif c == ord("\\") and quote == ord("'") and i + 1 < n and line[i + 1] == ord("'"):
+                    i += 1
+                    word.append(ord("'"))
+                else:
+                    word.append(c)
+                i += 1
+        else:
+            while i < n and line[i] not in b" \t":
+                word.append(line[i])
+                i += 1
+        words.append(bytes(word))
+
+
+def _is_hex(pair: bytes) -> bool:
+    return len(pair) == 2 and all(c in b"0123456789abcdefABCDEF" for c in pair)
+
+
+def encode(reply: Reply, resp3: bool = False) -> bytes:
+    """One reply: None is the null, int an integer, bytes/str a bulk string, Simple a status, Error an
+    error, list an array (nested), dict a map (RESP3) or a flat array of pairs (RESP2)."""
+    out = bytearray()
+    _encode(reply, resp3, out)
+    return bytes(out)
+
+
+def _encode(reply: Reply, resp3: bool, out: bytearray) -> None:
+    if reply is None:
+        out += b"_\r\n" if resp3 else b"$-1\r\n"
+    elif isinstance(reply, Error):
+        out += b"-" + reply.replace("\r", " ").replace("\n", " ").encode() + b"\r\n"
+    elif isinstance(reply, Simple):
+        out += b"+" + reply.encode() + b"\r\n"
+    elif isinstance(reply, bool):
+        out += (b"#t\r\n" if reply else b"#f\r\n") if resp3 else (b":1\r\n" if reply else b":0\r\n")
+    elif isinstance(reply, int):
+        out += b":%d\r\n" % reply
+    elif isinstance(reply, (bytes, bytearray, memoryview)):
+        out += b"$%d\r\n" % len(reply) + bytes(reply) + b"\r\n"
+    elif isinstance(reply, str):
+        data = reply.encode()
+        out += b"$%d\r\n" % len(data) + data + b"\r\n"
+    elif isinstance(reply, Mapping):
+        out += (b"%%%d\r\n" % len(reply)) if resp3 else (b"*%d\r\n" % (2 * len(reply)))
+        for key, value in reply.items():
+            _encode(key, resp3, out)
+            _encode(value, resp3, out)
+    elif isinstance(reply, Iterable):
+        items = list(reply)
+        out += b"*%d\r\n" % len(items)
+        for item in items:
+            _encode(item, resp3, out)
+    else:
+        raise TypeError(f"cannot encode {type(reply).__name__} as RESP")
+
+
+def command_bytes(*words: bytes | str | int) -> bytes:
+    """A command as a RESP array of bulk strings (what clients send, and what the AOF holds)."""
+    out = bytearray(b"*%d\r\n" % len(words))
+    for word in words:
+        data = word if isinstance(word, bytes) else str(word).encode()
+        out += b"$%d\r\n" % len(data) + data + b"\r\n"
+    return bytes(out)
