@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from reame import autoconfig, catalog, fetch
+from reame.arca.client import StoreAddress, StoreClient
 from reame.cache import PrefixCache
 from reame.engine import Engine
 from reame.engine.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, ModelFileError
 from reame.native import cache_root
+from reame.server.answers import AnswerCache
 from reame.server.http import ServerSettings
 from reame.server.sessions import Sessions
 from reame.settings import Settings
@@ -157,7 +159,16 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
         return new_engine(backend, settings, serving=True).start()
 
     sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint())
-    return serve(http, load_engine, path.name, sessions)
+    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint()))
+
+
+def answer_cache(settings: Settings, fingerprint: bytes) -> AnswerCache | None:
+    """The exact answer cache in the store `arca.remote` names (ARCA or a real Redis), if any."""
+    if not settings.arca.remote:
+        return None
+    address = StoreAddress.parse(settings.arca.remote)
+    log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
+    return AnswerCache(StoreClient(address), fingerprint, settings.arca.answer_ttl_ms)
 
 
 def progress_stream() -> TextIO | None:

@@ -94,6 +94,10 @@ KEYS: tuple[Key, ...] = (
     Key("arca.max_mb", "float", 256, "`reame arca`'s byte budget; least recently used keys are evicted past it; "
         "0 = no limit", minimum=0),
     Key("arca.requirepass", "str", "", "password clients must send (AUTH) to `reame arca`; empty = none"),
+    Key("arca.remote", "str", "", "a serving node's shared store, redis://[:password@]host:port/0 (ARCA or a "
+        "real Redis/Valkey): exact answers; empty = none"),
+    Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",
+        minimum=0),
     Key("embeddings.context_length", "int", 2048,
         "tokens of the embedding context (the longest input, and the most tokens per embedding decode)", minimum=16),
     Key("embeddings.pooling", "choice", "auto", "how an embedding pools its tokens; auto = the model's own, else mean",

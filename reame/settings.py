@@ -93,6 +93,8 @@ class ArcaOptions:
     directory: Path
     max_bytes: int
     requirepass: str
+    remote: str
+    answer_ttl_ms: int
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ def from_values(values: dict[str, Value]) -> Settings:
         embeddings=EmbeddingOptions(get("embeddings.context_length"), get("embeddings.pooling")),
         arca=ArcaOptions(get("arca.host"), get("arca.port"),
                          Path(get("arca.dir")).expanduser() if get("arca.dir") else cache_root() / "arca",
-                         int(get("arca.max_mb") * 2**20), get("arca.requirepass")),
+                         int(get("arca.max_mb") * 2**20), get("arca.requirepass"), get("arca.remote"),
+                         int(get("arca.answer_ttl_hours") * 3_600_000)),
         generation=SamplingParams(
             max_tokens=get("generation.max_tokens"), temperature=get("generation.temperature"),
             seed=get("generation.seed"), top_k=get("generation.top_k"), top_p=get("generation.top_p"),

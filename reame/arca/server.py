@@ -527,6 +527,10 @@ class Arca:
         self._log(b"PERSIST", args[0])
         return 1
 
+    def cmd_keys(self, client: Client, args: list[bytes]) -> Reply:
+        """Every live key matching the pattern (SCAN is the way for large keyspaces, as in Redis)."""
+        return self.keyspace.scan(0, len(self.keyspace) + 1, args[0], None)[1]
+
     def cmd_scan(self, client: Client, args: list[bytes]) -> Reply:
         cursor = integer(args[0], "ERR invalid cursor")
         pattern, count, kind = None, 10, None
@@ -758,7 +762,8 @@ COMMANDS: dict[bytes, tuple[Callable[[Arca, Client, list[bytes]], Reply | Blocke
     b"UNLINK": (Arca.cmd_del, -2), b"EXISTS": (Arca.cmd_exists, -2), b"TYPE": (Arca.cmd_type, 2),
     b"EXPIRE": (Arca.cmd_expire, -3), b"PEXPIRE": (Arca.cmd_pexpire, -3), b"EXPIREAT": (Arca.cmd_expireat, -3),
     b"PEXPIREAT": (Arca.cmd_pexpireat, -3), b"TTL": (Arca.cmd_ttl, 2), b"PTTL": (Arca.cmd_pttl, 2),
-    b"PERSIST": (Arca.cmd_persist, 2), b"SCAN": (Arca.cmd_scan, -2), b"XADD": (Arca.cmd_xadd, -5),
+    b"PERSIST": (Arca.cmd_persist, 2), b"SCAN": (Arca.cmd_scan, -2), b"KEYS": (Arca.cmd_keys, 2),
+    b"XADD": (Arca.cmd_xadd, -5),
     b"XRANGE": (Arca.cmd_xrange, -4), b"XREAD": (Arca.cmd_xread, -4), b"XLEN": (Arca.cmd_xlen, 2),
     b"XTRIM": (Arca.cmd_xtrim, -4), b"XSETID": (Arca.cmd_xsetid, 3),
 }
@@ -768,7 +773,8 @@ def command_info(name: bytes) -> list:
     """COMMAND's description of one command: name, arity, flags, first key, last key, key step."""
     arity = COMMANDS[name.upper()][1]
     keyless = name.upper() in (b"PING", b"ECHO", b"QUIT", b"SELECT", b"AUTH", b"HELLO", b"CLIENT", b"COMMAND",
-                               b"CONFIG", b"INFO", b"DBSIZE", b"FLUSHDB", b"FLUSHALL", b"SCAN", b"XREAD")
+                               b"CONFIG", b"INFO", b"DBSIZE", b"FLUSHDB", b"FLUSHALL", b"SCAN", b"KEYS",
+                               b"XREAD")
     return [name.lower(), arity, [], 0 if keyless else 1, 0 if keyless else (-1 if arity < 0 and name.upper() in (
         b"MGET", b"DEL", b"UNLINK", b"EXISTS") else 1), 0 if keyless else 1]
 

@@ -25,6 +25,7 @@ from reame.engine.request import MAX_SEED
 from reame.engine.conclave import Election, attempts
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
+from reame.server.answers import AnswerCache, AnswerTap, StoredAnswer
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
@@ -43,10 +44,12 @@ class App:
     """Routes requests to the engine. `engine` is None while the model loads (/health says 503)."""
 
     def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
-                 sessions: Sessions | None = None) -> None:
+                 sessions: Sessions | None = None, answers: AnswerCache | None = None) -> None:
+        """`answers`: the exact answer cache in a shared store (arca.remote), if any."""
         self.settings = settings
         self.engine: Engine | None = None
         self.sessions = sessions
+        self.answers = answers
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
@@ -56,6 +59,9 @@ class App:
                               "prompt tokens found in the KV (slot, session, prefix cache, a twin request's "
                               "prefill) instead of computed")
         self.metrics.describe("reame_conclave_elections_total", "counter", "best_of answers elected")
+        self.metrics.describe("reame_answer_cache_lookups_total", "counter",
+                              "deterministic requests looked up in the shared store, by result (hit or miss)")
+        self.metrics.describe("reame_answer_cache_stored_total", "counter", "answers written to the shared store")
         self.metrics.describe("reame_conclave_early_stops_total", "counter",
                               "elections decided by a majority while attempts still ran (those were stopped)")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")
@@ -435,10 +441,19 @@ class App:
             requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix)
                         for prompt_index, prompt in enumerate(prompts)
                         for params in self.attempt_params(base, seed, prompt_index, n, elect_among)]
+            # One deterministic answer (greedy, or an explicit seed) may already be in the shared store.
+            answer_key = self.answer_key(engine, requests[0], chat, tools, seed) \
+                if len(requests) == 1 and session is None and logprobs is None and \
+                (base.temperature == 0 or seed is not None) else None
             try:
-                handles = engine.submit_together(requests, sink)
+                handles = self.from_store(engine, requests[0], answer_key, sink) if answer_key is not None \
+                    else None
+                if handles is None:
+                    handles = engine.submit_together(requests, sink)
             except (RequestError, OverloadedError) as error:
                 raise refusal(error, "messages" if chat else "prompt") from None
+            if answer_key is not None and not isinstance(handles[0], StoredAnswer):
+                sink = AnswerTap(sink, lambda text, finish: self.keep_answer(answer_key, text, finish))
             group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
             prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
             echoes = [self.echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
@@ -454,6 +469,34 @@ class App:
                              elections)
         finally:
             release_session()
+
+    def answer_key(self, engine: Engine, request: GenerationRequest, chat: bool, tools: ToolRequest | None,
+                   seed: int | None) -> bytes | None:
+        """The request's key in the exact answer cache (None without a store)."""
+        if self.answers is None:
+            return None
+        params = request.params if seed is not None or request.params.temperature > 0 else \
+            dataclasses.replace(request.params, seed=None)
+        shape = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
+        return self.answers.key(engine.prompt_tokens(request), params, shape)
+
+    def from_store(self, engine: Engine, request: GenerationRequest, key: bytes,
+                   sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
+        """The answer from the store as the engine's events, or None on a miss (counted either way)."""
+        assert self.answers is not None
+        cached = self.answers.get(key)
+        self.metrics.add("reame_answer_cache_lookups_total", result="hit" if cached else "miss")
+        if cached is None:
+            return None
+        prompt_tokens = engine.prompt_tokens(request)
+        sink.put((0, TokenEvent(-1, cached.text)))
+        sink.put((0, cached.finish(len(prompt_tokens))))
+        return [StoredAnswer(prompt_tokens)]
+
+    def keep_answer(self, key: bytes, text: str, finish: FinishEvent) -> None:
+        assert self.answers is not None
+        if self.answers.put(key, text, finish):
+            self.metrics.add("reame_answer_cache_stored_total")
 
     @staticmethod
     def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,

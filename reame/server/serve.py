@@ -14,6 +14,7 @@ from typing import Callable
 
 from reame.engine import Engine
 from reame.server.http import ReameHTTPServer, ServerSettings
+from reame.server.answers import AnswerCache
 from reame.server.openai_api import App
 from reame.server.sessions import Sessions
 
@@ -21,9 +22,9 @@ log = logging.getLogger("reame.server")
 
 
 def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str,
-          sessions: Sessions | None = None) -> int:
+          sessions: Sessions | None = None, answers: AnswerCache | None = None) -> int:
     """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end."""
-    app = App(settings, sessions=sessions)
+    app = App(settings, sessions=sessions, answers=answers)
     server = ReameHTTPServer(settings, app)
     host, port = server.server_address[:2]
     stop = threading.Event()

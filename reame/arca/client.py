@@ -1,0 +1,186 @@
+"""The store client a Reame node uses: ARCA or a real Redis/Valkey, standard commands only.
+
+A store is a speed-up, never a dependency: every call has a short timeout, a failure
+marks the store down and answers as if it had nothing (a miss, a write not made),
+and the next try waits a backoff that doubles up to BACKOFF_MAX_S. Thread-safe (one
+connection, one lock: calls are a fraction of a millisecond on a local network).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+from reame.arca.resp import command_bytes
+from reame.errors import ConfigError
+
+log = logging.getLogger("reame.arca")
+
+TIMEOUT_S = 0.2
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+class StoreDown(Exception):
+    """The store could not be reached or answered nonsense (internal: callers never see it)."""
+
+
+class ReplyError(Exception):
+    """The store answered `-ERR …`."""
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+    password: str
+    database: int
+
+    @staticmethod
+    def parse(url: str) -> StoreAddress:
+        """`redis://[[user]:password@]host[:port][/db]` (port 6379 when omitted, as Redis's own URLs)."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "redis" or not parts.hostname:
+            raise ConfigError(f"arca.remote must look like redis://[:password@]host:port/0, got {url!r}")
+        try:
+            port = parts.port or 6379
+            database = int(parts.path.strip("/") or 0)
+        except ValueError:
+            raise ConfigError(f"arca.remote has a bad port or database number: {url!r}") from None
+        return StoreAddress(parts.hostname, port, urllib.parse.unquote(parts.password or ""), database)
+
+
+class StoreClient:
+    def __init__(self, address: StoreAddress, timeout_s: float = TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._buffer = b""
+        self._down_until = 0.0
+        self._backoff = BACKOFF_START_S
+        self.failures = 0
+
+    # --- what nodes call (never raise) ---
+
+    def get(self, key: bytes) -> bytes | None:
+        reply = self.call(b"GET", key)
+        return reply if isinstance(reply, bytes) else None
+
+    def set(self, key: bytes, value: bytes, ttl_ms: int = 0) -> bool:
+        words = [b"SET", key, value] + ([b"PX", str(ttl_ms).encode()] if ttl_ms else [])
+        return self.call(*words) == b"OK"
+
+    def xadd(self, stream: bytes, fields: dict[bytes, bytes], max_length: int) -> bytes | None:
+        pairs = [item for pair in fields.items() for item in pair]
+        reply = self.call(b"XADD", stream, b"MAXLEN", b"~", str(max_length).encode(), b"*", *pairs)
+        return reply if isinstance(reply, bytes) else None
+
+    def xread(self, stream: bytes, after: bytes, count: int, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Entries of `stream` after id `after` (waiting up to `block_ms` for one); [] on a timeout or failure."""
+        reply = self.call(b"XREAD", b"COUNT", str(count).encode(), b"BLOCK", str(block_ms).encode(), b"STREAMS",
+                          stream, after, timeout_s=self.timeout_s + block_ms / 1000)
+        if not isinstance(reply, list) or not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply[0], list) and len(reply[0]) == 2 else []
+        return [(entry[0], dict(zip(entry[1][::2], entry[1][1::2]))) for entry in entries]
+
+    def call(self, *words: bytes, timeout_s: float | None = None) -> object:
+        """The reply, or None when the store is down (or answered an error)."""
+        if time.monotonic() < self._down_until:
+            return None
+        with self._lock:
+            try:
+                return self._call(words, timeout_s or self.timeout_s)
+            except ReplyError as error:
+                log.warning("the store refused %s: %s", words[0].decode(), error)
+                return None
+            except (OSError, StoreDown) as error:
+                self._fail(error)
+                return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    # --- the connection ---
+
+    def _fail(self, error: Exception) -> None:
+        self._disconnect()
+        self.failures += 1
+        if self._backoff == BACKOFF_START_S:
+            log.warning("the store at %s:%d is unreachable (%s); serving without it, retrying in %.1f s",
+                        self.address.host, self.address.port, error, self._backoff)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def _disconnect(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        self._socket, self._buffer = None, b""
+
+    def _connect(self) -> None:
+        sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._socket, self._buffer = sock, b""
+        if self.address.password:
+            self._request([b"AUTH", self.address.password.encode()], self.timeout_s)
+        if self.address.database:
+            self._request([b"SELECT", str(self.address.database).encode()], self.timeout_s)
+        if self._backoff != BACKOFF_START_S:
+            log.info("the store at %s:%d is back", self.address.host, self.address.port)
+        self._backoff = BACKOFF_START_S
+
+    def _call(self, words: tuple[bytes, ...], timeout_s: float) -> object:
+        if self._socket is None:
+            self._connect()
+        return self._request(list(words), timeout_s)
+
+    def _request(self, words: list[bytes], timeout_s: float) -> object:
+        assert self._socket is not None
+        self._socket.settimeout(timeout_s)
+        self._socket.sendall(command_bytes(*words))
+        return self._reply()
+
+    def _reply(self) -> object:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            raise ReplyError(rest.decode("utf-8", "replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            length = int(rest)
+            if length < 0:
+                return None
+            data = self._exactly(length + 2)
+            return data[:-2]
+        if kind == b"*":
+            count = int(rest)
+            return None if count < 0 else [self._reply() for _ in range(count)]
+        raise StoreDown(f"unexpected reply {line[:20]!r}")
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self._buffer:
+            self._more()
+        line, self._buffer = self._buffer.split(b"\r\n", 1)
+        return line
+
+    def _exactly(self, size: int) -> bytes:
+        while len(self._buffer) < size:
+            self._more()
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def _more(self) -> None:
+        assert self._socket is not None
+        chunk = self._socket.recv(65536)
+        if not chunk:
+            raise StoreDown("the store closed the connection")
+        self._buffer += chunk

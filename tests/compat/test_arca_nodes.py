@@ -1,0 +1,86 @@
+"""Two Reame servers (SmolLM2) sharing exact answers through one store: ARCA, and a real redis-server.
+An answer of one is a hit on the other; with the store killed, both keep answering."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.compat.test_arca_clients import arca
+from tests.live_server import live_server
+from tests.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = {"messages": [{"role": "user", "content": "Name the largest planet."}], "max_tokens": 16, "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def redis_server(directory: Path):
+    port = free_port()
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
+    wait_until(lambda: _answers(port))
+    try:
+        yield port, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(30)
+
+
+def _answers(port: int) -> bool:
+    try:
+        return redis.Redis(port=port, socket_timeout=1).ping()
+    except redis.ConnectionError:
+        return False
+
+
+def post(base: str, body: dict) -> dict:
+    request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def hits(base: str) -> float:
+    with urllib.request.urlopen(base + "/stats", timeout=30) as response:
+        samples = json.loads(response.read())["samples"]
+    return sum(s["value"] for s in samples
+               if s["name"] == "reame_answer_cache_lookups_total" and s["labels"].get("result") == "hit")
+
+
+@pytest.mark.parametrize("kind", ["arca", "redis-server"])
+def test_two_nodes_share_answers_and_survive_the_store(native_libraries, smollm2_path, tmp_path, kind):
+    with ExitStack() as stack:
+        port, store = stack.enter_context(arca(tmp_path / "arca") if kind == "arca" else redis_server(tmp_path))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=f"redis://127.0.0.1:{port}/0",
+                   REAME_CACHE_DIR=str(tmp_path / "kv"), REAME_SPECULATIVE_PALIMPSEST_DIR=str(tmp_path / "pal"))
+        command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--ctx", "2048",
+                   "--threads", "2"]
+        first = stack.enter_context(live_server(command, env=env)).base
+        second = stack.enter_context(live_server(command, env=env)).base
+        answered = post(first, CHAT)
+        hit = post(second, CHAT)
+        assert hit["choices"][0]["message"]["content"] == answered["choices"][0]["message"]["content"]
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
+        assert hits(second) == 1 and hits(first) == 0
+        assert len(redis.Redis(port=port).keys("reame:answer:*")) == 1  # standard commands: any client sees it
+        store.kill()
+        store.wait(10)
+        for base in (first, second):  # the store is gone: a miss, then a backoff; never a failed request
+            for question in ("Name a small planet.", "Name the largest planet."):
+                answer = post(base, dict(CHAT, messages=[{"role": "user", "content": question}]))
+                assert answer["choices"][0]["message"]["content"]

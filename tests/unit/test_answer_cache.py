@@ -1,0 +1,124 @@
+"""The exact answer cache on FakeBackend servers sharing an ARCA on a thread: hits without the engine,
+what is never cached, a store that goes away."""
+
+import json
+import socket
+
+import pytest
+
+from reame.arca.client import StoreAddress, StoreClient
+from reame.engine import Engine
+from reame.engine.fake import FakeBackend
+from reame.server.answers import AnswerCache
+from tests.arca_thread import arca_thread
+from tests.unit.test_server import Live
+
+FINGERPRINT = b"fake-model"
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture
+def store(tmp_path):
+    with arca_thread(tmp_path) as port:
+        yield port
+
+
+def node(port: int) -> tuple[Live, Engine, FakeBackend]:
+    backend = FakeBackend(n_ctx=1024, n_seq_max=2)
+    engine = Engine(backend).start()
+    live = Live(engine)
+    live.app.answers = AnswerCache(StoreClient(StoreAddress("127.0.0.1", port, "", 0)), FINGERPRINT, 60_000)
+    return live, engine, backend
+
+
+@pytest.fixture
+def nodes(store):
+    made = [node(store) for _ in range(2)]
+    yield made
+    for live, engine, _ in made:
+        live.close()
+        engine.close()
+
+
+def metric(live: Live, name: str, **labels: str) -> float:
+    samples = live.json("GET", "/stats")[1]["samples"]
+    return sum(s["value"] for s in samples if s["name"] == name and all(s["labels"].get(k) == v
+                                                                         for k, v in labels.items()))
+
+
+def stream_text(live: Live, body: dict) -> tuple[str, dict]:
+    response, data = live.request("POST", "/v1/chat/completions", dict(body, stream=True,
+                                                                      stream_options={"include_usage": True}))
+    chunks = [json.loads(line[6:]) for line in data.decode().split("\n") if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, chunks[-1]["usage"]
+
+
+def test_an_answer_from_one_node_is_a_hit_on_the_other_without_its_engine(nodes):
+    (first, _, _), (second, _, second_backend) = nodes
+    status, answered = first.json("POST", "/v1/chat/completions", CHAT)
+    assert status == 200 and metric(first, "reame_answer_cache_lookups_total", result="miss") == 1
+    assert metric(first, "reame_answer_cache_stored_total") == 1
+    status, hit = second.json("POST", "/v1/chat/completions", CHAT)
+    assert status == 200 and second_backend.decode_calls == []  # the engine never ran
+    assert hit["choices"][0]["message"] == answered["choices"][0]["message"]
+    assert hit["choices"][0]["finish_reason"] == answered["choices"][0]["finish_reason"]
+    assert hit["usage"]["completion_tokens"] == answered["usage"]["completion_tokens"]
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
+    assert metric(second, "reame_answer_cache_lookups_total", result="hit") == 1
+    text, usage = stream_text(second, CHAT)  # streamed too
+    assert text == answered["choices"][0]["message"]["content"] and second_backend.decode_calls == []
+    assert usage["completion_tokens"] == answered["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("change", [
+    {"max_tokens": 11}, {"temperature": 0.5, "seed": 1}, {"stop": ["x"]}, {"logit_bias": {"97": 5}},
+    {"messages": [{"role": "user", "content": "hello there!"}]}, {"grammar": "root ::= [a-z ]+"},
+])
+def test_anything_that_can_change_the_answer_changes_the_key(nodes, change):
+    (first, _, _), (second, _, second_backend) = nodes
+    first.json("POST", "/v1/chat/completions", CHAT)
+    assert second.json("POST", "/v1/chat/completions", dict(CHAT, **change))[0] == 200
+    assert second_backend.decode_calls != []
+
+
+def test_a_seeded_sampled_answer_is_shared_but_an_unseeded_one_never_is(nodes):
+    (first, _, _), (second, _, second_backend) = nodes
+    seeded = dict(CHAT, temperature=0.9, seed=7)
+    first.json("POST", "/v1/chat/completions", seeded)
+    second.json("POST", "/v1/chat/completions", seeded)
+    assert second_backend.decode_calls == []
+    unseeded = dict(CHAT, temperature=0.9)
+    first.json("POST", "/v1/chat/completions", unseeded)
+    assert metric(first, "reame_answer_cache_stored_total") == 1  # only the seeded one
+    second.json("POST", "/v1/chat/completions", unseeded)
+    assert second_backend.decode_calls != []
+
+
+def test_a_cut_answer_is_never_kept(store):
+    cache = AnswerCache(StoreClient(StoreAddress("127.0.0.1", store, "", 0)), FINGERPRINT, 0)
+    from reame.engine import FinishEvent, Usage
+    usage = Usage(5, 3, 0.1, 0.1)
+    assert cache.put(b"k1", "abc", FinishEvent("cancelled", usage)) is False
+    assert cache.put(b"k2", "abc", FinishEvent("length", usage, "the context is full")) is False
+    assert cache.put(b"k3", "abc", FinishEvent("error", usage, "boom")) is False
+    assert cache.put(b"k4", "abc", FinishEvent("length", usage)) is True  # its max_tokens is in the key
+    assert cache.get(b"k1") is None and cache.get(b"k4").text == "abc"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_without_its_store_a_node_answers_as_if_it_had_none(tmp_path):
+    live, engine, backend = node(free_port())  # nothing listens there
+    try:
+        for _ in range(2):
+            status, body = live.json("POST", "/v1/chat/completions", CHAT)
+            assert status == 200 and body["choices"][0]["message"]["content"] is not None
+        assert live.app.answers.store.failures == 1  # then it waits a backoff instead of trying each time
+    finally:
+        live.close()
+        engine.close()
