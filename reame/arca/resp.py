@@ -89,30 +89,37 @@ class RequestParser:
                 return []
             self._items, self._expected = [], count
         items = self._items
-        while len(items) < self._expected:
-            cursor = self._cursor
-            if cursor >= len(buffer):
-                self._needed = cursor + 1
+        # The hot loop (every bulk of every command): locals, and no copies but the item itself.
+        expected, cursor, size, find = self._expected, self._cursor, len(buffer), buffer.find
+        while len(items) < expected:
+            if cursor >= size:
+                self._cursor, self._needed = cursor, cursor + 1
                 return None
-            if buffer[cursor] != ord("$"):
+            if buffer[cursor] != 36:  # "$"
                 raise ProtocolError(f"expected '$', got '{chr(buffer[cursor])}'")
-            end = self._line_end(cursor, 32)
+            end = find(b"\r\n", cursor, cursor + 34)
             if end < 0:
-                self._needed = len(buffer) + 1
+                if size - cursor > 32:
+                    raise ProtocolError("line too long")
+                self._cursor, self._needed = cursor, size + 1
                 return None
-            length = self._number(buffer[cursor + 1:end], "bulk length")
-            if length < 0 or length > self.max_bulk:
+            digits = buffer[cursor + 1:end]
+            if not digits.isdigit():
+                raise ProtocolError("invalid bulk length")
+            length = int(digits)
+            if length > self.max_bulk:
                 raise ProtocolError("invalid bulk length")
             start = end + 2
-            if len(buffer) < start + length + 2:
-                self._needed = start + length + 2  # wait for the whole bulk, without rescanning
+            stop = start + length
+            if size < stop + 2:
+                self._cursor, self._needed = cursor, stop + 2  # wait for the whole bulk, without rescanning
                 return None
-            if buffer[start + length:start + length + 2] != b"\r\n":
+            if buffer[stop] != 13 or buffer[stop + 1] != 10:
                 raise ProtocolError("a bulk string must end with CRLF")
-            items.append(bytes(buffer[start:start + length]))
-            self._cursor = start + length + 2
+            items.append(bytes(buffer[start:stop]))
+            cursor = stop + 2
         self._items, self._needed = None, 0
-        self._position = self._cursor
+        self._cursor = self._position = cursor
         return items
 
     def _inline(self) -> list[bytes] | None:
@@ -196,6 +203,13 @@ def _is_hex(pair: bytes) -> bool:
 def encode(reply: Reply, resp3: bool = False) -> bytes:
     """One reply: None is the null, int an integer, bytes/str a bulk string, Simple a status, Error an
     error, list an array (nested), dict a map (RESP3) or a flat array of pairs (RESP2)."""
+    kind = type(reply)
+    if kind is bytes:  # the common replies first: a value, OK, a miss
+        return b"$%d\r\n%b\r\n" % (len(reply), reply)  # type: ignore[arg-type]
+    if reply is OK:
+        return b"+OK\r\n"
+    if reply is None and not resp3:
+        return b"$-1\r\n"
     out = bytearray()
     _encode(reply, resp3, out)
     return bytes(out)
@@ -233,8 +247,5 @@ def _encode(reply: Reply, resp3: bool, out: bytearray) -> None:
 
 def command_bytes(*words: bytes | str | int) -> bytes:
     """A command as a RESP array of bulk strings (what clients send, and what the AOF holds)."""
-    out = bytearray(b"*%d\r\n" % len(words))
-    for word in words:
-        data = word if isinstance(word, bytes) else str(word).encode()
-        out += b"$%d\r\n" % len(data) + data + b"\r\n"
-    return bytes(out)
+    data = [word if type(word) is bytes else str(word).encode() for word in words]
+    return b"*%d\r\n" % len(data) + b"".join(b"$%d\r\n%b\r\n" % (len(word), word) for word in data)

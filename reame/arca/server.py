@@ -196,6 +196,7 @@ class Arca:
                     out += encode(reply, client.resp3)
                     if client.closing:
                         break
+                self.aof.flush()  # to the OS before the client hears OK (fsynced within a second)
                 writer.write(out)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -231,10 +232,13 @@ class Arca:
     # --- commands ---
 
     def execute(self, client: Client, command: list[bytes]) -> Reply | Blocked:
-        name = command[0].upper()
-        client.last_command = name.lower()
+        name = command[0]
+        spec = COMMANDS.get(name)  # clients send names in capitals: most lookups need no upper()
+        if spec is None:
+            name = name.upper()
+            spec = COMMANDS.get(name)
+        client.last_command = name
         self.commands_processed += 1
-        spec = COMMANDS.get(name)
         if spec is None:
             args = " ".join(f"'{word.decode('utf-8', 'replace')[:64]}'" for word in command[1:4])
             return Error(f"ERR unknown command '{command[0].decode('utf-8', 'replace')[:64]}', "
@@ -337,7 +341,7 @@ class Arca:
     def _client_line(self, client: Client) -> str:
         age = int(time.monotonic() - client.created)
         return (f"id={client.id} addr={client.address} name={client.name.decode('utf-8', 'replace')} age={age} "
-                f"db=0 resp={3 if client.resp3 else 2} cmd={client.last_command.decode()} "
+                f"db=0 resp={3 if client.resp3 else 2} cmd={client.last_command.decode().lower()} "
                 f"lib-name={client.library.decode('utf-8', 'replace')}\n")
 
     def cmd_command(self, client: Client, args: list[bytes]) -> Reply:
@@ -417,6 +421,10 @@ class Arca:
         return values
 
     def cmd_set(self, client: Client, args: list[bytes]) -> Reply:
+        if len(args) == 2:  # the common case, without options
+            self.keyspace.set(args[0], args[1], None)
+            self._log(b"SET", args[0], args[1])
+            return OK
         key, value, options = args[0], args[1], [option.upper() for option in args[2:]]
         condition, give_old, keep_ttl, expires_at = None, False, False, None
         i = 0

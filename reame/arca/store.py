@@ -253,8 +253,7 @@ class AppendOnlyFile:
         self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the daemon's life)
         self.base_size = self.size()
         self.synced_size = self.base_size  # bytes of the file known to be on disk
-        self._dirty = False
-        self._lock = threading.Lock()  # the file object: appends (loop) against fsync (worker)
+        self._lock = threading.Lock()  # the file object's swap (rewrite, loop) against fsync (worker)
         self._rewrite_tail: list[bytes] | None = None  # writes made while a rewrite runs
         self.rewrites = 0
         self.last_fsync = time.monotonic()
@@ -266,20 +265,22 @@ class AppendOnlyFile:
             return 0
 
     def append(self, record: bytes) -> None:
-        with self._lock:
-            self._file.write(record)
-            self._dirty = True
+        """Buffered in the file object (its own lock makes it safe beside a flush from the fsync thread);
+        `flush()` hands it to the OS before the replies go out."""
+        self._file.write(record)
         if self._rewrite_tail is not None:
             self._rewrite_tail.append(record)
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def sync(self) -> None:
         """Flush and fsync what was appended (the once-a-second task, and at shutdown)."""
         with self._lock:
-            if not self._dirty:
-                return
             self._file.flush()
-            self._dirty = False
             flushed = self._file.tell()
+            if flushed == self.synced_size:
+                return
             fd = os.dup(self._file.fileno())
         try:
             os.fsync(fd)
@@ -316,7 +317,6 @@ class AppendOnlyFile:
             self._file.close()
             os.replace(temporary, self.path)
             self._file = open(self.path, "ab")  # noqa: SIM115
-            self._dirty = False
         self.base_size = self.synced_size = self.size()
         self.rewrites += 1
 
