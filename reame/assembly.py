@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from reame import autoconfig, catalog, fetch
 from reame.arca.client import StoreAddress, StoreClient
+from reame.arca.corpus import Corpus
 from reame.cache import PrefixCache
 from reame.engine import Engine
 from reame.engine.backend import LlamaBackend, ModelSettings
@@ -74,12 +75,13 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
                                   prefill_chunk_tokens=server.prefill_chunk_tokens) if serving else {}
-    speculation = new_speculation(backend, settings) if speculate else None
+    speculation = new_speculation(backend, settings, serving) if speculate else None
     return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation, **limits)
 
 
-def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | None:
-    """The draft sources the settings ask for, cheapest and surest first; None when there are none."""
+def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = False) -> Speculation | None:
+    """The draft sources the settings ask for, cheapest and surest first; None when there are none.
+    A serving node with a shared store (arca.remote) shares its Palimpsest's generations through it."""
     options = settings.speculative
     if not options.enabled:
         return None
@@ -89,9 +91,11 @@ def new_speculation(backend: LlamaBackend, settings: Settings) -> Speculation | 
                                    lambda text: backend.tokenize(text, add_special=False, parse_special=False),
                                    backend.detokenize))
     if options.palimpsest:
-        sources.append(Palimpsest(options.palimpsest_directory,
-                                  vocabulary_hash(backend.token_piece, backend.n_vocab),
-                                  options.palimpsest_budget_bytes))
+        vocabulary = vocabulary_hash(backend.token_piece, backend.n_vocab)
+        palimpsest = Palimpsest(options.palimpsest_directory, vocabulary, options.palimpsest_budget_bytes)
+        if serving and settings.arca.remote:
+            palimpsest.attach(Corpus(StoreAddress.parse(settings.arca.remote), vocabulary, palimpsest))
+        sources.append(palimpsest)
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
     if options.draft_model:

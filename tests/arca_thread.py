@@ -24,6 +24,7 @@ def arca_thread(directory: Path, **settings: object) -> Iterator[int]:
             await arca.serve(lambda port: (state.__setitem__("port", port), ready.set()))
 
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         state["loop"] = loop
         try:
             loop.run_until_complete(serve())

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 from pathlib import Path
 
 from reame.speculative.archive import Archive
@@ -123,6 +124,10 @@ class ContinuationIndex:
         return draft
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class Palimpsest:
     """The draft source (`name` "palimpsest"); free: a lookup reads a few array entries.
 
@@ -144,6 +149,8 @@ class Palimpsest:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.loaded = threading.Event()  # set once the archive was read (or could not be)
+        self.listener: Callable[[Sequence[int]], None] | None = None  # gets every generation recorded here
+        self._attached: list[Closable] = []  # closed with it (the corpus link to other nodes)
         self._thread = threading.Thread(target=self._run, name="reame-palimpsest", daemon=True)
         self._thread.start()
 
@@ -159,18 +166,33 @@ class Palimpsest:
             return self._index.continuation(context, limit) if self._index is not None else []
 
     def record(self, tokens: Sequence[int]) -> None:
-        """A generation ended (with the end of its prompt): index it now, archive it within a second."""
+        """A generation ended (with the end of its prompt): index it now, archive it within a second,
+        and hand it to the listener (the corpus other nodes read, when there is one)."""
         with self._lock:
             if self._index is None:
                 return
             self._index.add(tokens)
             self._pending.append(list(tokens))
         self._wake.set()
+        if self.listener is not None:
+            self.listener(tokens)
+
+    def absorb(self, tokens: Sequence[int]) -> None:
+        """Another node's generation: drafted from, not archived here (the store keeps it)."""
+        with self._lock:
+            if self._index is not None:
+                self._index.add(tokens)
 
     def warm_up(self) -> None:
         pass
 
+    def attach(self, companion: Closable) -> None:
+        """Something that lives as long as the Palimpsest (closed first when it closes)."""
+        self._attached.append(companion)
+
     def close(self) -> None:
+        for companion in self._attached:
+            companion.close()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
