@@ -51,3 +51,17 @@ def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
         rest = process.stderr.read()
         server.log.append(rest)
         assert process.wait(timeout=60) == 0, "".join(server.log)  # a graceful stop exits 0
+
+
+@contextmanager
+def smollm2_server(smollm2_path: object, key: str, parallel: int) -> Iterator[str]:
+    """`reame run SmolLM2 --serve` with an API key, 2048 tokens of context and 2 threads: its base URL."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", key,
+               "--parallel", str(parallel), "--ctx", "2048", "--threads", "2"]
+    with live_server(command, env=dict(os.environ, PYTHONPATH=str(root))) as live:
+        yield live.base

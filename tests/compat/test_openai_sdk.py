@@ -1,27 +1,21 @@
 """The official `openai` SDK against a live Reame server on SmolLM2-135M."""
 
-import os
 import re
-import sys
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.live_server import live_server
+from tests.live_server import smollm2_server as serve_smollm2
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "compat-test-key"
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
 def server(native_libraries, smollm2_path):
-    command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
-               "--parallel", "3", "--ctx", "2048", "--threads", "2"]
-    with live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT))) as live:
-        yield live.base
+    with serve_smollm2(smollm2_path, KEY, parallel=3) as base:
+        yield base
 
 
 @pytest.fixture

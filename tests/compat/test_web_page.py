@@ -4,7 +4,6 @@ Screenshots go to build/test-artifacts/ (REAME_TEST_ARTIFACTS overrides it)."""
 
 import json
 import os
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from reame.engine import Engine
 from reame.engine.fake import FakeBackend, reply_rule
-from tests.live_server import live_server
+from tests.live_server import smollm2_server as serve_smollm2
 from tests.unit.test_server import Live
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +41,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def smollm2_server(native_libraries, smollm2_path):
-    command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--api-key", KEY,
-               "--parallel", "2", "--ctx", "2048", "--threads", "2"]
-    with live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT))) as live:
-        yield live.base
+    with serve_smollm2(smollm2_path, KEY, parallel=2) as base:
+        yield base
 
 
 def wait(driver, condition, timeout_s=120):

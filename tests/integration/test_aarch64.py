@@ -2,7 +2,6 @@
 made by .ci/run) and its python3 under qemu-aarch64-static, as a Cortex-A72 (armv8.0, a Raspberry Pi 4)
 and as a Neoverse-N1 (the free-tier Ampere A1 server). Emulation is slow: a few tokens each."""
 
-import os
 import shutil
 import subprocess
 

@@ -22,16 +22,23 @@ def alone(prompt: str, params: SamplingParams) -> list[int]:
         return engine.generate(GenerationRequest(prompt, params)).tokens
 
 
+def together(backend, params, before_start=lambda handles: None, prompt=PROMPT):
+    """Requests with one prompt queued before the engine starts (so they are admitted in one step): their
+    handles and results."""
+    engine = Engine(backend)
+    handles = [engine.submit(GenerationRequest(prompt, p)) for p in params]
+    before_start(handles)
+    engine.start()
+    try:
+        return handles, [handle.result(timeout_s=10) for handle in handles]
+    finally:
+        engine.close()
+
+
 def test_identical_prompts_arriving_together_are_prefilled_once_and_answer_as_if_alone():
     params = [SamplingParams(temperature=0.9, max_tokens=30, seed=seed, ignore_eos=True) for seed in range(4)]
     backend = FakeBackend(n_seq_max=4, n_ctx=2048)
-    engine = Engine(backend)
-    handles = [engine.submit(GenerationRequest(PROMPT, p)) for p in params]
-    engine.start()
-    try:
-        results = [handle.result(timeout_s=10) for handle in handles]
-    finally:
-        engine.close()
+    handles, results = together(backend, params)
     length = len(handles[0].prompt_tokens)
     assert prompt_rows(backend, length) == length
     assert [r.tokens for r in results] == [alone(PROMPT, p) for p in params]
@@ -54,15 +61,8 @@ class CancellingBackend(FakeBackend):
 
 def test_a_leader_cancelled_mid_prefill_hands_what_it_computed_to_a_follower():
     backend = CancellingBackend(at=1, n_seq_max=3, n_batch=16, n_ctx=2048)
-    engine = Engine(backend)
     greedy = SamplingParams(temperature=0, max_tokens=20)
-    handles = [engine.submit(GenerationRequest(PROMPT, greedy)) for _ in range(3)]
-    backend.handle = handles[0]
-    engine.start()
-    try:
-        results = [handle.result(timeout_s=10) for handle in handles]
-    finally:
-        engine.close()
+    handles, results = together(backend, [greedy] * 3, lambda handles: setattr(backend, "handle", handles[0]))
     length = len(handles[0].prompt_tokens)
     assert results[0].finish.reason == "cancelled"
     assert results[1].tokens == results[2].tokens == alone(PROMPT, greedy)
@@ -91,14 +91,8 @@ def test_a_request_arriving_while_another_decodes_shares_the_kv_of_their_common_
 def test_clones_reserve_their_shared_prompt_once():
     prompt = "p" * 100
     backend = FakeBackend(n_seq_max=3, n_ctx=200)
-    engine = Engine(backend)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    handles = [engine.submit(GenerationRequest(prompt, params)) for _ in range(3)]  # 3 × 121 > 200; 101 + 60 fits
-    engine.start()
-    try:
-        results = [handle.result(timeout_s=10) for handle in handles]
-    finally:
-        engine.close()
+    _, results = together(backend, [params] * 3, prompt=prompt)  # 3 × 121 > 200; 101 + 60 fits
     assert all(len(r.tokens) == 20 for r in results)
     assert max(len({seq for _, _, seq, _ in call}) for call in backend.decode_calls) == 3
 
