@@ -690,13 +690,17 @@ class LlamaBackend:
 
     def warm_up(self) -> None:
         """One throwaway decode, as llama.cpp's tools do at load, so the first request does not pay for
-        faulting in the mapped weights (0.1-0.2 s on Qwen2.5-Coder-1.5B here).
+        faulting in the mapped weights (0.1-0.2 s on Qwen2.5-Coder-1.5B here); and the vocabulary's
+        end-of-generation tokens, listed once.
 
         Call it from the thread that will decode: ggml's OpenMP team belongs to the thread that first
         computes, and a second team (a warm-up on another thread) made every later step ~18% slower.
         """
         self.decode([max(self.bos_token, 0)], [0], [0], [True])
         self.seq_rm(0)
+        # The end-of-generation list asks llama.cpp about every token (38 ms for Qwen2.5's 151,936): a
+        # first request with ignore_eos paid it between its prefix-cache lookup and its restore.
+        self.eog_tokens()
 
     def seq_state_set(self, seq_id: int, blob: bytes | memoryview) -> bool:
         """Restore a sequence; False (never garbage) when the blob does not fit this context."""
