@@ -73,6 +73,16 @@ def fields_size(pairs: list[bytes]) -> int:
     return STREAM_ENTRY_OVERHEAD + sum(len(item) for item in pairs)
 
 
+def integer(text: bytes, message: str = "ERR value is not an integer or out of range") -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise StoreError(message) from None
+    if not -2**63 <= value < 2**63:
+        raise StoreError(message)
+    return value
+
+
 def format_id(stream_id: StreamId) -> bytes:
     return b"%d-%d" % stream_id
 

@@ -1,0 +1,23 @@
+"""The command table: each name (in capitals) to its handler and its arity as Redis states it (exact when
+>= 0, at least -arity when < 0)."""
+
+from __future__ import annotations
+
+from reame.arca.connection_commands import ConnectionCommands as C
+from reame.arca.key_commands import KeyCommands as K
+from reame.arca.stream_commands import StreamCommands as S
+
+COMMANDS = {
+    b"PING": (C.cmd_ping, -1), b"ECHO": (C.cmd_echo, 2), b"QUIT": (C.cmd_quit, -1),
+    b"SELECT": (C.cmd_select, 2), b"AUTH": (C.cmd_auth, -2), b"HELLO": (C.cmd_hello, -1),
+    b"CLIENT": (C.cmd_client, -2), b"COMMAND": (C.cmd_command, -1), b"CONFIG": (C.cmd_config, -2),
+    b"INFO": (C.cmd_info, -1), b"DBSIZE": (K.cmd_dbsize, 1), b"FLUSHDB": (K.cmd_flushdb, -1),
+    b"FLUSHALL": (K.cmd_flushdb, -1), b"GET": (K.cmd_get, 2), b"SET": (K.cmd_set, -3),
+    b"MGET": (K.cmd_mget, -2), b"MSET": (K.cmd_mset, -3), b"DEL": (K.cmd_del, -2),
+    b"UNLINK": (K.cmd_del, -2), b"EXISTS": (K.cmd_exists, -2), b"TYPE": (K.cmd_type, 2),
+    b"EXPIRE": (K.cmd_expire, -3), b"PEXPIRE": (K.cmd_pexpire, -3), b"EXPIREAT": (K.cmd_expireat, -3),
+    b"PEXPIREAT": (K.cmd_pexpireat, -3), b"TTL": (K.cmd_ttl, 2), b"PTTL": (K.cmd_pttl, 2),
+    b"PERSIST": (K.cmd_persist, 2), b"SCAN": (K.cmd_scan, -2), b"KEYS": (K.cmd_keys, 2),
+    b"XADD": (S.cmd_xadd, -5), b"XRANGE": (S.cmd_xrange, -4), b"XREAD": (S.cmd_xread, -4),
+    b"XLEN": (S.cmd_xlen, 2), b"XTRIM": (S.cmd_xtrim, -4), b"XSETID": (S.cmd_xsetid, 3),
+}
