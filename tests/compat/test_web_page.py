@@ -67,6 +67,15 @@ def send(driver, prompt: str, max_tokens: int, temperature: float = 0) -> None:
     driver.find_element(By.ID, "send").click()
 
 
+def unlock(driver, base: str) -> None:
+    """Open the page of a server with a key, and give it the key once the page asks for it."""
+    driver.get(base + "/")
+    wait(driver, lambda: driver.find_element(By.ID, "keybox").is_displayed())  # /health said a key is needed
+    driver.find_element(By.ID, "key").send_keys(KEY)
+    driver.find_element(By.ID, "usekey").click()
+    wait(driver, lambda: driver.find_element(By.ID, "model").text == "smollm2-135m")
+
+
 def last_answer(driver):
     answers = driver.find_elements(By.CSS_SELECTOR, "#log .msg.assistant")
     return answers[-1] if answers else None
@@ -80,11 +89,7 @@ def busy_slots(base: str) -> float:
 
 
 def test_chat_streams_an_answer_with_its_stats_and_the_dashboard_charts_it(browser, smollm2_server):
-    browser.get(smollm2_server + "/")
-    wait(browser, lambda: browser.find_element(By.ID, "keybox").is_displayed())  # the server wants a key
-    browser.find_element(By.ID, "key").send_keys(KEY)
-    browser.find_element(By.ID, "usekey").click()
-    wait(browser, lambda: browser.find_element(By.ID, "model").text == "smollm2-135m")
+    unlock(browser, smollm2_server)
     send(browser, "Name three colours of the rainbow.", 24)
     wait(browser, lambda: "tokens" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text)
     answer = last_answer(browser)
@@ -104,9 +109,7 @@ def test_chat_streams_an_answer_with_its_stats_and_the_dashboard_charts_it(brows
 
 
 def test_the_stop_button_cancels_the_generation(browser, smollm2_server):
-    browser.get(smollm2_server + "/")
-    browser.find_element(By.ID, "key").send_keys(KEY)
-    browser.find_element(By.ID, "usekey").click()
+    unlock(browser, smollm2_server)
     send(browser, "Write a very long story about a lighthouse keeper.", 1500, temperature=0.7)
     wait(browser, lambda: last_answer(browser).find_element(By.CLASS_NAME, "text").text.strip())
     browser.find_element(By.ID, "stop").click()
