@@ -312,6 +312,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("X-Accel-Buffering", "no")  # nginx in front passes events on at once, whatever its config
         self.send_header("Connection", "close")
         self.send_cors_headers()
         self.end_headers()

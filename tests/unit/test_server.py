@@ -280,6 +280,7 @@ def read_sse(live, path, body, done=True):
     connection.request("POST", path, body=json.dumps(body))
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+    assert response.getheader("X-Accel-Buffering") == "no"  # a proxy in front must not hold events back
     frames = [line[6:] for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
     connection.close()
     if done:

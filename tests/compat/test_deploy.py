@@ -1,0 +1,98 @@
+"""The deployment files of docs/deploy.md: the systemd unit passes `systemd-analyze verify`, and nginx
+with the documented proxy block passes streamed answers on as they are made, to the openai SDK."""
+
+import json
+import shutil
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.live_server import smollm2_server as serve_smollm2
+from tests.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "deploy-test-key"
+
+
+def test_the_systemd_unit_verifies():
+    systemd_analyze = shutil.which("systemd-analyze")
+    assert systemd_analyze, "systemd-analyze is needed (.ci/run installs systemd)"
+    result = subprocess.run([systemd_analyze, "verify", str(ROOT / "deploy" / "reame.service")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "reame.service" not in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def proxied(native_libraries, smollm2_path, tmp_path_factory):
+    """Reame on a free port, nginx in front of it with deploy/reame-proxy.conf (the port put in)."""
+    work = tmp_path_factory.mktemp("nginx")
+    with serve_smollm2(smollm2_path, KEY, parallel=2) as base:
+        upstream = base.rsplit(":", 1)[1]
+        proxy = (ROOT / "deploy" / "reame-proxy.conf").read_text().replace("127.0.0.1:8080", f"127.0.0.1:{upstream}")
+        (work / "reame-proxy.conf").write_text(proxy)
+        port = free_port()
+        (work / "nginx.conf").write_text(f"""user root; daemon off; pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{}}
+http {{
+    access_log off;
+    client_body_temp_path {work}/body; proxy_temp_path {work}/proxy; fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi; scgi_temp_path {work}/scgi;
+    server {{ listen 127.0.0.1:{port}; include {work}/reame-proxy.conf; }}
+}}
+""")
+        executable = shutil.which("nginx") or "/usr/sbin/nginx"  # sbin: not on every PATH
+        nginx = subprocess.Popen([executable, "-p", str(work), "-c", str(work / "nginx.conf")])
+        front = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: _answers(front))
+            yield front, base
+        finally:
+            nginx.terminate()
+            nginx.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _answers(base: str) -> bool:
+    try:
+        return urllib.request.urlopen(base + "/health", timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def busy_slots(base: str) -> float:
+    request = urllib.request.Request(base + "/stats", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return sum(s["value"] for s in json.loads(response.read())["samples"] if s["name"] == "reame_busy_slots")
+
+
+def test_nginx_passes_a_stream_through_token_by_token(proxied):
+    front, upstream = proxied
+    client = openai.OpenAI(base_url=front + "/v1", api_key=KEY, max_retries=0)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a long story."}],
+                                            max_tokens=40, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            break
+    # The first piece is here while the server is still generating: the stream reaches the client through the
+    # proxy as it is made (proxy_buffering off in the block; Reame also sends X-Accel-Buffering: no).
+    assert busy_slots(upstream) == 1
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    whole = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a long story."}],
+                                           max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert urllib.request.urlopen(front + "/", timeout=10).read().startswith(b"<!doctype html>")
