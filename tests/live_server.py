@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -12,6 +13,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 LOAD_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on (for servers that cannot pick their own)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass

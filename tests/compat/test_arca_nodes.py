@@ -3,7 +3,6 @@ An answer of one is a hit on the other; with the store killed, both keep answeri
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,17 +13,11 @@ import pytest
 import redis
 
 from tests.compat.test_arca_clients import arca
-from tests.live_server import live_server
+from tests.live_server import free_port, live_server
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "Name the largest planet."}], "max_tokens": 16, "temperature": 0}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -3,7 +3,6 @@ with the documented proxy block passes streamed answers on as they are made, to 
 
 import json
 import shutil
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.live_server import free_port
 from tests.live_server import smollm2_server as serve_smollm2
 from tests.waiting import wait_until
 
@@ -54,12 +54,6 @@ http {{
         finally:
             nginx.terminate()
             nginx.wait(30)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(base: str) -> bool:

@@ -2,7 +2,6 @@
 what is never cached, a store that goes away."""
 
 import json
-import socket
 
 import pytest
 
@@ -11,6 +10,7 @@ from reame.engine import Engine
 from reame.engine.fake import FakeBackend
 from reame.server.answers import AnswerCache
 from tests.arca_thread import arca_thread
+from tests.live_server import free_port
 from tests.unit.test_server import Live
 
 FINGERPRINT = b"fake-model"
@@ -104,12 +104,6 @@ def test_a_cut_answer_is_never_kept(store):
     assert cache.put(b"k3", "abc", FinishEvent("error", usage, "boom")) is False
     assert cache.put(b"k4", "abc", FinishEvent("length", usage)) is True  # its max_tokens is in the key
     assert cache.get(b"k1") is None and cache.get(b"k4").text == "abc"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_without_its_store_a_node_answers_as_if_it_had_none(tmp_path):
