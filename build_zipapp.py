@@ -5,7 +5,7 @@
     python build_zipapp.py --native          … with this machine's native build instead
     python build_zipapp.py --lib             only build (or find) libllama for this host
     python build_zipapp.py --lib --portable  only the portable build (a CPU variant per ISA level)
-    python build_zipapp.py --bench-tools     llama-bench / llama-server, for bench/ only
+    python build_zipapp.py --bench-tools     llama-bench / llama-batched-bench / llama-server, for bench/ only
 
 Needs only the standard library, pip, CMake and a C++ compiler. The pin is
 llama.cpp as vendored in one exact `llama-cpp-python` sdist; the .pyz also
@@ -68,7 +68,7 @@ ARM_VARIANTS = ("armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1",
 ARCHES = ("x86_64", "aarch64")
 
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
-BENCH_TOOLS = ("llama-bench", "llama-server")
+BENCH_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
 # What a missing prerequisite is called, and its Debian/Ubuntu package.
 PACKAGES = {"cmake": "cmake", "a C++ compiler": "g++", "pip": "python3-pip"}
 INDEX_PROBE_TIMEOUT_S = 2
@@ -366,11 +366,14 @@ def run_with_progress(command: list[str], log_path: Path, what: str) -> None:
         raise BuildError(f"{what} failed (exit {status}); full log: {log_path}")
 
 
-def is_built(target_dir: Path, portable: bool) -> bool:
-    """A finished build in the cache; a portable one must also carry its OpenMP runtime (older ones did not)."""
+def is_built(target_dir: Path, portable: bool, tools: bool = False) -> bool:
+    """A finished build in the cache; a portable one must also carry its OpenMP runtime (older ones did not),
+    a tools one every tool of BENCH_TOOLS (the list grew since older ones were made)."""
     try:
         manifest = json.loads((target_dir / "manifest.json").read_text())
     except (OSError, ValueError):
+        return False
+    if tools and not all((target_dir / "bin" / tool).is_file() for tool in BENCH_TOOLS):
         return False
     return not portable or bool(manifest.get("libraries", {}).get("runtime"))
 
@@ -380,7 +383,7 @@ def build(portable: bool, tools: bool, jobs: int, arch: str = "") -> Path:
     if needed; another machine's is cross-compiled, portable only."""
     arch = arch or machine()
     target_dir = build_dir(portable, tools, arch)
-    if is_built(target_dir, portable):
+    if is_built(target_dir, portable, tools):
         say(f"found cached build {target_dir}")
         return target_dir
     archive = fetch_sdist(sdist_dir())
@@ -389,7 +392,7 @@ def build(portable: bool, tools: bool, jobs: int, arch: str = "") -> Path:
     work = Path(tempfile.mkdtemp(prefix="reame-llama-build-"))
     log_path = work / "build.log"
     say(f"building llama.cpp {LLAMA_COMMIT} for {arch} ({'portable' if portable else 'native'}"
-        f"{', with llama-bench/llama-server' if tools else ''}) with {jobs} jobs; "
+        f"{', with ' + '/'.join(BENCH_TOOLS) if tools else ''}) with {jobs} jobs; "
         "this takes about 5 minutes on 2 cores")
     configure = ["cmake", "-S", str(THIRD_PARTY), "-B", str(work / "build"),
                  *cmake_options(portable, tools, arch)]
@@ -532,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="build for a baseline CPU instead of this machine (-march=native); another "
                              "machine's build is always portable")
     parser.add_argument("--bench-tools", action="store_true",
-                        help="also build llama-bench and llama-server (benchmarks only)")
+                        help="also build llama-bench, llama-batched-bench and llama-server (benchmarks only)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
     parser.add_argument("--print-dir", action="store_true",
                         help="print the build directory on stdout (for scripts)")
@@ -576,7 +579,7 @@ def selected_arches(choice: str) -> list[str]:
 def preflight_for(builds: list[tuple[str, bool]], tools: bool, packing: bool) -> None:
     """`preflight` for what this run will do, given what the cache already holds. `builds`: (machine,
     portable) pairs."""
-    compiling = [arch for arch, portable in builds if not is_built(build_dir(portable, tools, arch), portable)]
+    compiling = [arch for arch, portable in builds if not is_built(build_dir(portable, tools, arch), portable, tools)]
     downloads = []
     if compiling and not sdist_path(sdist_dir()).exists():
         downloads.append(f"the llama.cpp source ({SDIST_NAME}=={SDIST_VERSION})")

@@ -138,6 +138,17 @@ def test_a_portable_build_cached_without_its_openmp_runtime_is_built_again(tmp_p
     assert build_zipapp.is_built(tmp_path, portable=False)
 
 
+def test_a_tools_build_cached_without_one_of_the_tools_is_built_again(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"libraries": {}}')
+    (tmp_path / "bin").mkdir()
+    for tool in build_zipapp.BENCH_TOOLS[:-1]:
+        (tmp_path / "bin" / tool).write_text("")
+    assert not build_zipapp.is_built(tmp_path, portable=False, tools=True)
+    (tmp_path / "bin" / build_zipapp.BENCH_TOOLS[-1]).write_text("")
+    assert build_zipapp.is_built(tmp_path, portable=False, tools=True)
+    assert build_zipapp.is_built(tmp_path, portable=False)
+
+
 def test_main_reports_a_build_error_in_one_line_and_exits_1(monkeypatch, capsys):
     def fail(*args):
         raise build_zipapp.BuildError("something specific broke")
