@@ -129,7 +129,7 @@ class KeyCommands:
             self.keyspace.delete(key)
             self._log(b"DEL", key)
             return 1
-        entry.expires_at = deadline
+        self.keyspace.set_expiry(key, deadline)
         self._log(b"PEXPIREAT", key, deadline)
         return 1
 
@@ -150,7 +150,7 @@ class KeyCommands:
         entry = self.keyspace.get_entry(args[0])
         if entry is None or entry.expires_at is None:
             return 0
-        entry.expires_at = None
+        self.keyspace.set_expiry(args[0], None)
         self._log(b"PERSIST", args[0])
         return 1
 

@@ -70,6 +70,22 @@ class RequestParser:
             self._position = 0
         return commands
 
+    def whole_commands(self, data: bytes) -> tuple[list[list[bytes]], int]:
+        """The whole commands at the start of `data`, which holds RESP arrays only (an append-only file),
+        and how many bytes they take: parsing stops at the first malformed or unfinished one."""
+        self._buffer += data
+        commands = []
+        while self._position < len(self._buffer) and self._buffer[self._position] == ord("*"):
+            try:
+                command = self._next()
+            except ProtocolError:
+                break
+            if command is None:
+                break
+            if command:
+                commands.append(command)
+        return commands, self._position
+
     def _next(self) -> list[bytes] | None:
         buffer = self._buffer
         if self._items is None:

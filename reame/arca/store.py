@@ -19,16 +19,16 @@ from __future__ import annotations
 import bisect
 import collections
 import fnmatch
+import itertools
 import logging
 import os
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reame.arca.resp import ProtocolError, command_bytes
+from reame.arca.resp import RequestParser, command_bytes
 
 log = logging.getLogger("reame.arca")
 
@@ -112,14 +112,16 @@ class Keyspace:
         self.evicted = 0
         self.expired = 0
         self._scan_order: list[tuple[int, bytes]] | None = None  # (cursor hash, key), sorted; None: stale
+        # The keys with a deadline, for active expiry to visit in turn (never the whole keyspace).
+        self._deadlines: dict[bytes, int] = {}
 
     # --- reading ---
 
-    def get_entry(self, key: bytes, now: int | None = None) -> Entry | None:
+    def get_entry(self, key: bytes) -> Entry | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        if entry.expires_at is not None and entry.expires_at <= (now if now is not None else now_ms()):
+        if entry.expires_at is not None and entry.expires_at <= now_ms():
             self._remove(key)
             self.expired += 1
             return None
@@ -137,20 +139,19 @@ class Keyspace:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> Iterator[bytes]:
-        return iter(list(self._entries))
-
     def items(self) -> list[tuple[bytes, Entry]]:
         return list(self._entries.items())
 
     def expiring(self) -> int:
-        return sum(1 for entry in self._entries.values() if entry.expires_at is not None)
+        return len(self._deadlines)
 
     # --- writing ---
 
     def set(self, key: bytes, value: bytes, expires_at: int | None) -> None:
         self._remove(key)
         self._entries[key] = Entry(value, expires_at)
+        if expires_at is not None:
+            self._deadlines[key] = expires_at
         self._scan_order = None
         self.used_bytes += self._size(key, value)
         self.evict(keep=key)
@@ -160,6 +161,10 @@ class Keyspace:
         if entry is None:
             return False
         entry.expires_at = expires_at
+        if expires_at is None:
+            self._deadlines.pop(key, None)
+        else:
+            self._deadlines[key] = expires_at
         return True
 
     def delete(self, key: bytes) -> bool:
@@ -170,6 +175,7 @@ class Keyspace:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._deadlines.clear()
         self.used_bytes = 0
         self._scan_order = None
 
@@ -203,13 +209,14 @@ class Keyspace:
             self.evicted += 1
 
     def expire_some(self, now: int, sample: int = 20) -> int:
-        """Active expiry: look at up to `sample` keys with a deadline, drop the dead ones."""
+        """Active expiry: look at the next `sample` keys with a deadline (live ones go to the back, so the
+        following calls look at others), drop the dead ones."""
         dead = []
-        for key, entry in self._entries.items():
-            if entry.expires_at is not None and entry.expires_at <= now:
+        for key in list(itertools.islice(self._deadlines, sample)):
+            if self._deadlines[key] <= now:
                 dead.append(key)
-                if len(dead) >= sample:
-                    break
+            else:
+                self._deadlines[key] = self._deadlines.pop(key)
         for key in dead:
             self._remove(key)
         self.expired += len(dead)
@@ -217,6 +224,7 @@ class Keyspace:
 
     def _remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
+        self._deadlines.pop(key, None)
         if entry is not None:
             self.used_bytes -= self._size(key, entry.value)
             self._scan_order = None
@@ -266,7 +274,6 @@ class AppendOnlyFile:
         self._lock = threading.Lock()  # the file object's swap (rewrite, loop) against fsync (worker)
         self._rewrite_tail: list[bytes] | None = None  # writes made while a rewrite runs
         self.rewrites = 0
-        self.last_fsync = time.monotonic()
 
     def size(self) -> int:
         try:
@@ -297,7 +304,6 @@ class AppendOnlyFile:
         finally:
             os.close(fd)
         self.synced_size = flushed
-        self.last_fsync = time.monotonic()
 
     def wants_rewrite(self) -> bool:
         return self._rewrite_tail is None and self.size() > max(REWRITE_MIN_BYTES, 2 * self.base_size)
@@ -347,48 +353,7 @@ def read_log(path: Path) -> tuple[list[list[bytes]], int]:
         data = path.read_bytes()
     except FileNotFoundError:
         return [], 0
-    commands: list[list[bytes]] = []
-    offset = 0  # command by command, so the end of the last whole one is known exactly
-    while offset < len(data) and data[offset:offset + 1] == b"*":
-        try:
-            end, command = _one_command(data, offset)
-        except ProtocolError:
-            break
-        if command is None:
-            break
-        commands.append(command)
-        offset = end
-    return commands, offset
-
-
-def _one_command(data: bytes, offset: int) -> tuple[int, list[bytes] | None]:
-    """(end offset, command) of the RESP array at `offset`; (offset, None) when it is cut short."""
-    line_end = data.find(b"\r\n", offset)
-    if line_end < 0:
-        return offset, None
-    count = int(data[offset + 1:line_end]) if data[offset + 1:line_end].isdigit() else -1
-    if count <= 0:
-        raise ProtocolError("bad record")
-    cursor, items = line_end + 2, []
-    for _ in range(count):
-        if data[cursor:cursor + 1] != b"$":
-            if cursor >= len(data):
-                return offset, None
-            raise ProtocolError("bad record")
-        length_end = data.find(b"\r\n", cursor)
-        if length_end < 0:
-            return offset, None
-        digits = data[cursor + 1:length_end]
-        if not digits.isdigit():
-            raise ProtocolError("bad record")
-        start, length = length_end + 2, int(digits)
-        if len(data) < start + length + 2:
-            return offset, None
-        if data[start + length:start + length + 2] != b"\r\n":
-            raise ProtocolError("bad record")
-        items.append(data[start:start + length])
-        cursor = start + length + 2
-    return cursor, items
+    return RequestParser().whole_commands(data)
 
 
 def snapshot_records(keyspace: Keyspace) -> list[bytes]:

@@ -30,6 +30,7 @@ dead (`status.dead`) and refuses new work with EngineUnavailable.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -484,14 +485,14 @@ class Engine:
             room = backend.n_ctx_seq - len(handle.prompt_tokens)
             running = Running(handle, slot, sampler, min(params.max_tokens or room, room), next(self._admissions))
             leader = self._prefilling_twin(handle)
-            saved = self._best_saved_state(handle)
+            saved = self._best_saved_state(handle) if leader is None else None
             from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
                 if saved is not None else 0
-            donor, from_donor = self._donor(handle.prompt_tokens)
+            donor, from_donor = self._donor(handle.prompt_tokens) if leader is None else (None, 0)
             if leader is not None:  # it computes the prompt once for both
                 backend.seq_rm(slot.seq_id)
                 shared = 0
-            elif from_donor > max(shared, from_saved):  # the cells are shared, not copied
+            elif donor is not None and from_donor > max(shared, from_saved):  # the cells are shared, not copied
                 backend.seq_rm(slot.seq_id)
                 backend.seq_cp(donor.seq_id, slot.seq_id, 0, from_donor)
                 shared = from_donor
@@ -563,10 +564,14 @@ class Engine:
 
     def _reserved_with(self, handle: Handle) -> int:
         """KV cells the running requests and `handle` may fill together: requests with one prompt
-        share its cells (a clone's KV is the same cells, not a copy), so it counts once."""
-        prompts = {tuple(running.prompt) for running in self._running}
-        prompts.add(tuple(handle.prompt_tokens))
-        return sum(map(len, prompts)) + self._answer_reservation(handle) + \
+        share its cells (a clone's KV is the same cells, not a copy), so it counts once. Only prompts
+        of equal length are compared (this runs every step a request waits for room)."""
+        by_length: dict[int, list[list[int]]] = collections.defaultdict(list)
+        for prompt in [running.prompt for running in self._running] + [handle.prompt_tokens]:
+            by_length[len(prompt)].append(prompt)
+        prompt_cells = sum(length * (len({tuple(prompt) for prompt in same}) if len(same) > 1 else 1)
+                           for length, same in by_length.items())
+        return prompt_cells + self._answer_reservation(handle) + \
             sum(self._answer_reservation(running.handle) for running in self._running)
 
     def _pick_slot(self, prompt: list[int]) -> tuple[Slot, int]:

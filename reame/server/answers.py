@@ -99,9 +99,7 @@ class AnswerTap:
 
     def get(self, block: bool = True, timeout: float | None = None) -> tuple[int, TokenEvent | FinishEvent]:
         tag, event = self.events.get(block, timeout)
-        if isinstance(event, TokenEvent):
-            self.pieces.append(event.text)
-        else:
-            self.pieces.append(event.text)
+        self.pieces.append(event.text)  # a finish carries the text held back until the end
+        if isinstance(event, FinishEvent):
             self.keep("".join(self.pieces), event)
         return tag, event

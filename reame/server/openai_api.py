@@ -442,12 +442,17 @@ class App:
                         for prompt_index, prompt in enumerate(prompts)
                         for params in self.attempt_params(base, seed, prompt_index, n, elect_among)]
             # One deterministic answer (greedy, or an explicit seed) may already be in the shared store.
-            answer_key = self.answer_key(engine, requests[0], chat, tools, seed) \
-                if len(requests) == 1 and session is None and logprobs is None and \
-                (base.temperature == 0 or seed is not None) else None
+            cacheable = self.answers is not None and len(requests) == 1 and session is None and \
+                logprobs is None and (base.temperature == 0 or seed is not None)
+            answer_key = None
             try:
-                handles = self.from_store(engine, requests[0], answer_key, sink) if answer_key is not None \
-                    else None
+                handles = None
+                if cacheable:
+                    # Tokenized once: the key is over the tokens, and the engine gets them as they are.
+                    tokens = engine.prompt_tokens(requests[0])
+                    requests = [dataclasses.replace(requests[0], prompt=tokens, suffix=None)]
+                    answer_key = self.answer_key(tokens, requests[0].params, chat, tools, seed)
+                    handles = self.from_store(tokens, answer_key, sink)
                 if handles is None:
                     handles = engine.submit_together(requests, sink)
             except (RequestError, OverloadedError) as error:
@@ -470,28 +475,25 @@ class App:
         finally:
             release_session()
 
-    def answer_key(self, engine: Engine, request: GenerationRequest, chat: bool, tools: ToolRequest | None,
-                   seed: int | None) -> bytes | None:
-        """The request's key in the exact answer cache (None without a store)."""
-        if self.answers is None:
-            return None
-        params = request.params if seed is not None or request.params.temperature > 0 else \
-            dataclasses.replace(request.params, seed=None)
+    def answer_key(self, tokens: list[int], params: SamplingParams, chat: bool, tools: ToolRequest | None,
+                   seed: int | None) -> bytes:
+        """The request's key in the exact answer cache."""
+        assert self.answers is not None
+        if seed is None and params.temperature == 0:
+            params = dataclasses.replace(params, seed=None)  # greedy: the random seed given to it does not count
         shape = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
-        return self.answers.key(engine.prompt_tokens(request), params, shape)
+        return self.answers.key(tokens, params, shape)
 
-    def from_store(self, engine: Engine, request: GenerationRequest, key: bytes,
-                   sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
+    def from_store(self, tokens: list[int], key: bytes, sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
         """The answer from the store as the engine's events, or None on a miss (counted either way)."""
         assert self.answers is not None
         cached = self.answers.get(key)
         self.metrics.add("reame_answer_cache_lookups_total", result="hit" if cached else "miss")
         if cached is None:
             return None
-        prompt_tokens = engine.prompt_tokens(request)
         sink.put((0, TokenEvent(-1, cached.text)))
-        sink.put((0, cached.finish(len(prompt_tokens))))
-        return [StoredAnswer(prompt_tokens)]
+        sink.put((0, cached.finish(len(tokens))))
+        return [StoredAnswer(tokens)]
 
     def keep_answer(self, key: bytes, text: str, finish: FinishEvent) -> None:
         assert self.answers is not None
