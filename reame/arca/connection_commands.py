@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from reame.arca.server import ArcaSettings
     from reame.arca.store import AppendOnlyFile, Keyspace
 
+PONG = Simple("PONG")
 REDIS_VERSION = "7.0.0"  # the protocol level ARCA speaks, for clients that check
 
 
@@ -53,7 +54,7 @@ class ConnectionCommands:
     def cmd_ping(self, client: Client, args: list[bytes]) -> Reply:
         if len(args) > 1:
             return Error("ERR wrong number of arguments for 'ping' command")
-        return args[0] if args else Simple("PONG")
+        return args[0] if args else PONG
 
     def cmd_echo(self, client: Client, args: list[bytes]) -> Reply:
         return args[0]

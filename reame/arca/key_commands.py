@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from reame.arca.resp import OK, Error, Reply, Simple
+from reame.arca.resp import OK, Error, Reply, Simple, set_command
 from reame.arca.store import StoreError, Stream, integer, now_ms
 
 if TYPE_CHECKING:
@@ -18,6 +18,8 @@ class KeyCommands:
     keyspace: Keyspace
 
     def _log(self, *words: bytes | str | int) -> None: ...
+
+    def _log_record(self, record: bytes) -> None: ...
 
     def cmd_dbsize(self, client: Client, args: list[bytes]) -> Reply:
         return len(self.keyspace)
@@ -42,7 +44,7 @@ class KeyCommands:
     def cmd_set(self, client: Client, args: list[bytes]) -> Reply:
         if len(args) == 2:  # the common case, without options
             self.keyspace.set(args[0], args[1], None)
-            self._log(b"SET", args[0], args[1])
+            self._log_record(set_command(args[0], args[1]))
             return OK
         key, value, options = args[0], args[1], [option.upper() for option in args[2:]]
         condition, give_old, keep_ttl, expires_at = None, False, False, None

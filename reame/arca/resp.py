@@ -18,6 +18,9 @@ from typing import Union
 MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
 MAX_ARRAY_ITEMS = 1024 * 1024
 MAX_INLINE_BYTES = 64 * 1024
+# Array and bulk length headers the fast path (plain_commands) reads by table lookup, not int().
+SMALL_COUNTS = {b"*%d" % count: count for count in range(1, 65)}
+SMALL_HEADERS = tuple(b"$%d" % length for length in range(4096))
 
 Reply = Union[None, int, bytes, str, list, dict, "Error", "Simple"]
 
@@ -53,8 +56,14 @@ class RequestParser:
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         """The complete commands `data` finished (empty ones dropped); ProtocolError on bad input."""
-        self._buffer += data
         commands = []
+        if not self._buffer and self._items is None and len(data) <= self.max_bulk:
+            # Nothing pending: the whole, plain commands at the start go the fast way (a pipeline mostly is).
+            commands, used = plain_commands(data, self.max_items, self.max_inline)
+            if used == len(data):
+                return commands
+            data = data[used:]
+        self._buffer += data
         while True:
             if len(self._buffer) < self._needed:
                 break
@@ -167,13 +176,60 @@ class RequestParser:
         return int(text)
 
 
+def plain_commands(data: bytes, max_items: int, max_inline: int) -> tuple[list[list[bytes]], int]:
+    """The whole commands at the start of `data` whose bulk strings hold no CRLF, and inline commands
+    without quotes, and how many bytes they take; it stops at anything else (an unfinished or
+    malformed command, an empty line), which the general parser then reads or refuses.
+
+    Splitting at every CRLF in one call lines a command's items up with its length headers when
+    no item holds a CRLF; when one does, the token after its header is shorter than the header
+    says, so the check of every header against its item's length catches it and stops here."""
+    parts = data.split(b"\r\n")
+    last = len(parts) - 1  # the bytes after the final CRLF: never a whole line
+    commands: list[list[bytes]] = []
+    done = 0  # tokens of the whole commands read so far
+    small_count, header = SMALL_COUNTS.get, SMALL_HEADERS.__getitem__
+    while done < last:
+        head = parts[done]
+        count = small_count(head)
+        if count is None:
+            if head[:1] == b"*":
+                if not head[1:].isdigit():
+                    break
+                count = int(head[1:])
+            elif not head or len(head) > max_inline or b"\n" in head or b'"' in head or b"'" in head:
+                break
+            else:  # an inline command
+                words = head.split()
+                if words:
+                    commands.append(words)
+                done += 1
+                continue
+        end = done + 1 + 2 * count
+        if count == 0 or count > max_items or end > last:
+            break
+        items = parts[done + 2:end:2]
+        try:
+            if parts[done + 1:end:2] != list(map(header, map(len, items))):
+                break
+        except IndexError:  # an item too long for the table: the general parser reads it
+            break
+        commands.append(items)
+        done = end
+    return commands, sum(map(len, parts[:done])) + 2 * done
+
+
+SPACES = b" \t\n\r\x0b\x0c"  # what bytes.split() splits at, as plain_commands does
+
+
 def split_inline(line: bytes) -> list[bytes]:
-    """Words of an inline command: spaces and tabs separate them; "double" or 'single' quotes keep
-    spaces (with \\n, \\r, \\t, \\\\, \\" and \\xHH escapes in double quotes), as redis-cli's input does."""
+    """Words of an inline command: white space (C's isspace(), as in Redis) separates them; "double" or
+    'single' quotes keep spaces (with \\n, \\r, \\t, \\\\, \\" and \\xHH escapes in double quotes), as
+    redis-cli's input does."""
     words: list[bytes] = []
     i, n = 0, len(line)
     while True:
-        while i < n and line[i] in b" \t":
+        while i < n and line[i] in SPACES:
             i += 1
         if i >= n:
             return words
@@ -187,7 +243,7 @@ def split_inline(line: bytes) -> list[bytes]:
                 c = line[i]
                 if c == quote:
                     i += 1
-                    if i < n and line[i] not in b" \t":
+                    if i < n and line[i] not in SPACES:
                         raise ProtocolError("unbalanced quotes in request")
                     break
                 if c == ord("\\") and quote == ord('"') and i + 1 < n:
@@ -206,7 +262,7 @@ def split_inline(line: bytes) -> list[bytes]:
                     word.append(c)
                 i += 1
         else:
-            while i < n and line[i] not in b" \t":
+            while i < n and line[i] not in SPACES:
                 word.append(line[i])
                 i += 1
         words.append(bytes(word))
@@ -226,6 +282,10 @@ def encode(reply: Reply, resp3: bool = False) -> bytes:
         return b"+OK\r\n"
     if reply is None and not resp3:
         return b"$-1\r\n"
+    if kind is Simple:
+        return b"+%b\r\n" % reply.encode()  # type: ignore[union-attr]
+    if kind is int:
+        return b":%d\r\n" % reply  # type: ignore[str-format]
     out = bytearray()
     _encode(reply, resp3, out)
     return bytes(out)
@@ -261,7 +321,15 @@ def _encode(reply: Reply, resp3: bool, out: bytearray) -> None:
         raise TypeError(f"cannot encode {type(reply).__name__} as RESP")
 
 
+def set_command(key: bytes, value: bytes) -> bytes:
+    """`command_bytes(b"SET", key, value)` in one step: the commonest append-only record."""
+    return b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(key), key, len(value), value)
+
+
 def command_bytes(*words: bytes | str | int) -> bytes:
     """A command as a RESP array of bulk strings (what clients send, and what the AOF holds)."""
-    data = [word if type(word) is bytes else str(word).encode() for word in words]
-    return b"*%d\r\n" % len(data) + b"".join(b"$%d\r\n%b\r\n" % (len(word), word) for word in data)
+    parts = [b"*%d\r\n" % len(words)]
+    for word in words:
+        data = word if type(word) is bytes else str(word).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)

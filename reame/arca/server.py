@@ -1,8 +1,8 @@
 """The ARCA daemon: a Redis-protocol server (RESP2, RESP3 after HELLO 3) on one asyncio event loop.
 
-Every connection is a coroutine on the loop thread, which owns the keyspace (store.py):
-commands run one at a time, so no locks. A connection's pipelined commands are
-answered in order and their replies written together. Only standard Redis
+Every connection (connection.py) is served on the loop thread, which owns the keyspace
+(store.py): commands run one at a time, so no locks. A connection's pipelined commands
+are answered in order and their replies written together. Only standard Redis
 commands, with Redis's replies and error texts, so redis-cli, redis-py and
 redis-benchmark work unmodified, and a real Redis or Valkey can replace ARCA under
 the same clients (reame/arca/client.py).
@@ -26,16 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reame.arca.commands import COMMANDS
+from reame.arca.connection import Connection
 from reame.arca.connection_commands import Client, ConnectionCommands
 from reame.arca.key_commands import KeyCommands
-from reame.arca.resp import (
-    Error,
-    ProtocolError,
-    Reply,
-    RequestParser,
-    command_bytes,
-    encode,
-)
+from reame.arca.resp import Error, Reply, command_bytes
 from reame.arca.store import (
     AppendOnlyFile,
     Keyspace,
@@ -49,7 +43,6 @@ from reame.arca.stream_commands import Blocked, StreamCommands
 
 log = logging.getLogger("reame.arca")
 
-READ_CHUNK = 64 * 1024
 EXPIRE_EVERY_S = 0.1
 SYNC_EVERY_S = 1.0
 NO_AUTH_NEEDED = {b"AUTH", b"HELLO", b"QUIT"}
@@ -99,8 +92,11 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
         return AppendOnlyFile(directory)
 
     def _log(self, *words: bytes | str | int) -> None:
+        self._log_record(command_bytes(*words))
+
+    def _log_record(self, record: bytes) -> None:
         if not self._loading:
-            self.aof.append(command_bytes(*words))
+            self.aof.append(record)
 
     async def rewrite(self) -> None:
         """Write the keyspace anew in a worker thread; writes made meanwhile are appended after it."""
@@ -118,8 +114,8 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
     # --- serving ---
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
-        server = await asyncio.start_server(self._connection, self.settings.host, self.settings.port,
-                                            reuse_address=True, limit=READ_CHUNK)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: Connection(self), self.settings.host, self.settings.port, reuse_address=True)
         port = server.sockets[0].getsockname()[1]
         log.info("ARCA listening on %s:%d (data in %s%s)", self.settings.host, port, self.settings.directory,
                  ", password required" if self.settings.requirepass else "")
@@ -149,47 +145,8 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
                 if self.aof.wants_rewrite():
                     await self.rewrite()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        client = Client(f"{peer[0]}:{peer[1]}" if peer else "?")
-        self.clients[client.id] = client
-        self.connections_received += 1
-        parser = RequestParser()
-        try:
-            while not client.closing:
-                data = await reader.read(READ_CHUNK)
-                if not data:
-                    break
-                try:
-                    commands = parser.feed(data)
-                except ProtocolError as error:
-                    writer.write(encode(Error(f"ERR Protocol error: {error}")))
-                    break
-                out = bytearray()
-                for command in commands:
-                    reply = self.execute(client, command)
-                    if isinstance(reply, Blocked):
-                        writer.write(out)
-                        out = bytearray()
-                        reply = await self._wait(reply)
-                    out += encode(reply, client.resp3)
-                    if client.closing:
-                        break
-                self.aof.flush()  # to the OS before the client hears OK (fsynced within a second)
-                writer.write(out)
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            self.clients.pop(client.id, None)
-            try:
-                await writer.drain()
-                writer.close()
-                await writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
-
-    async def _wait(self, blocked: Blocked) -> Reply:
+    async def wait(self, blocked: Blocked) -> Reply:
+        """The blocked command's reply: when an XADD gives it something, or None at its timeout."""
         deadline = None if blocked.timeout_ms == 0 else time.monotonic() + blocked.timeout_ms / 1000
         while True:
             event = self.stream_added

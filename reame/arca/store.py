@@ -96,7 +96,7 @@ def parse_id(text: bytes, default_sequence: int = 0) -> StreamId:
         raise StoreError("ERR Invalid stream ID specified as stream command argument") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     value: bytes | Stream
     expires_at: int | None = None  # ms since the epoch
@@ -129,10 +129,14 @@ class Keyspace:
         return entry
 
     def get(self, key: bytes) -> bytes | None:
-        entry = self.get_entry(key)
-        if entry is None:
-            return None
-        if isinstance(entry.value, Stream):
+        entry = self._entries.get(key)
+        if entry is None or entry.expires_at is not None:  # (get_entry, inlined for the commonest read)
+            entry = self.get_entry(key)
+            if entry is None:
+                return None
+        else:
+            self._entries.move_to_end(key)
+        if type(entry.value) is not bytes:
             raise WrongType()
         return entry.value
 
@@ -148,13 +152,19 @@ class Keyspace:
     # --- writing ---
 
     def set(self, key: bytes, value: bytes, expires_at: int | None) -> None:
-        self._remove(key)
+        old = self._entries.pop(key, None)
+        if old is None:
+            self._scan_order = None  # a new key (the order of those there stays right)
+        else:
+            self.used_bytes -= self._size(key, old.value)
+            if old.expires_at is not None:
+                self._deadlines.pop(key, None)
         self._entries[key] = Entry(value, expires_at)
         if expires_at is not None:
             self._deadlines[key] = expires_at
-        self._scan_order = None
-        self.used_bytes += self._size(key, value)
-        self.evict(keep=key)
+        self.used_bytes += ENTRY_OVERHEAD + len(key) + len(value)
+        if self.budget_bytes and self.used_bytes > self.budget_bytes:
+            self.evict(keep=key)
 
     def set_expiry(self, key: bytes, expires_at: int | None) -> bool:
         entry = self.get_entry(key)

@@ -1,6 +1,10 @@
 """RESP: the request parser (whole, in pieces, malformed, oversized) and the reply encoder."""
 
+import os
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reame.arca.resp import OK, Error, ProtocolError, RequestParser, Simple, command_bytes, encode, split_inline
 
@@ -74,3 +78,39 @@ def test_limits_are_checked_before_anything_is_allocated():
 ])
 def test_replies_encode_as_redis_does(reply, resp2, resp3):
     assert encode(reply) == resp2 and encode(reply, resp3=True) == resp3
+
+
+# Words rich in what could confuse a parser that splits at CRLF: CRLF itself, headers, quotes, long items.
+WORDS = st.one_of(st.sampled_from([b"GET", b"SET", b"\r\n", b"$3\r\nabc", b"*2\r\n", b"\r", b"\n", b"'", b'"', b"",
+                                   b"x" * 5000]), st.binary(max_size=12))
+COMMANDS_OR_LINES = st.lists(st.one_of(
+    st.lists(WORDS, min_size=1, max_size=4).map(lambda words: command_bytes(*words)),
+    st.lists(st.sampled_from([b"PING", b"GET", b"k", b"'a b'", b" ", b"\t"]), max_size=4).map(
+        lambda words: b" ".join(words) + b"\r\n"),
+    st.binary(max_size=16),  # malformed, mostly
+), max_size=12).map(b"".join)
+
+
+def parsed(data: bytes, piece: int) -> list[list[bytes]] | str:
+    """What RequestParser makes of `data` fed in pieces of `piece` bytes: the commands, or the error."""
+    parser, found = RequestParser(), []
+    try:
+        for i in range(0, len(data), piece):
+            found += parser.feed(data[i:i + piece])
+    except ProtocolError as error:
+        return f"error: {error}"
+    return found
+
+
+@settings(max_examples=int(os.environ.get("REAME_FUZZ_EXAMPLES", "300")), deadline=None)
+@given(COMMANDS_OR_LINES)
+def test_the_fast_path_and_the_general_parser_agree_on_any_input(data):
+    """Whole reads take the fast path (plain_commands) for what it can; byte by byte, only the general parser
+    runs. Valid or not, both must make the same of the same bytes."""
+    assert parsed(data, len(data) or 1) == parsed(data, 1)
+
+
+def test_an_item_holding_crlf_or_a_long_item_leaves_the_fast_path_without_harm():
+    data = command_bytes(b"SET", b"k", b"a\r\n$1\r\nb") + command_bytes(b"SET", b"big", b"y" * 10000) + b"PING\r\n"
+    assert RequestParser().feed(data) == [[b"SET", b"k", b"a\r\n$1\r\nb"], [b"SET", b"big", b"y" * 10000],
+                                          [b"PING"]]
