@@ -30,6 +30,7 @@ class Connection(asyncio.Protocol):
         self._queued: list[list[bytes]] = []  # commands pipelined behind a blocked one
         self._waiter: asyncio.Task | None = None  # the blocked command's wait
         self._write_paused = False
+        self._refusal: ProtocolError | None = None  # bad input: answered once the commands before it are
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -46,12 +47,12 @@ class Connection(asyncio.Protocol):
             self._waiter.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:  # what follows bad input is never read
+            return
         try:
             commands = self.parser.feed(data)
-        except ProtocolError as error:
-            self._send(encode(Error(f"ERR Protocol error: {error}")))
-            self._close()
-            return
+        except ProtocolError as error:  # answered after the whole commands ahead of it, as Redis does
+            commands, self._refusal = error.before, error
         if self._waiter is not None or self.client.closing:
             self._queued += commands
             return
@@ -83,6 +84,9 @@ class Connection(asyncio.Protocol):
                 self._close()
                 return
         self._send(out)
+        if self._refusal is not None:
+            self._send(encode(Error(f"ERR Protocol error: {self._refusal}")))
+            self._close()
 
     async def _unblock(self, blocked: Blocked) -> None:
         reply = await self.arca.wait(blocked)

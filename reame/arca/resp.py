@@ -26,7 +26,10 @@ Reply = Union[None, int, bytes, str, list, dict, "Error", "Simple"]
 
 
 class ProtocolError(Exception):
-    """Malformed or oversized input: answer it and close the connection."""
+    """Malformed or oversized input: answer it and close the connection (after running `before`, the
+    whole commands that came ahead of it, as Redis does)."""
+
+    before: list[list[bytes]] = []
 
 
 class Error(str):
@@ -56,7 +59,7 @@ class RequestParser:
 
     def feed(self, data: bytes) -> list[list[bytes]]:
         """The complete commands `data` finished (empty ones dropped); ProtocolError on bad input."""
-        commands = []
+        commands: list[list[bytes]] = []
         if not self._buffer and self._items is None and len(data) <= self.max_bulk:
             # Nothing pending: the whole, plain commands at the start go the fast way (a pipeline mostly is).
             commands, used = plain_commands(data, self.max_items, self.max_inline)
@@ -67,7 +70,11 @@ class RequestParser:
         while True:
             if len(self._buffer) < self._needed:
                 break
-            command = self._next()
+            try:
+                command = self._next()
+            except ProtocolError as error:
+                error.before = commands
+                raise
             if command is None:
                 break
             if command:

@@ -46,6 +46,15 @@ def test_quit_answers_what_came_before_it_and_nothing_after(tmp_path):
         assert exchange(sock, b"MGET a b\r\n", b"*2\r\n$1\r\n1\r\n$-1\r\n") == b"*2\r\n$1\r\n1\r\n$-1\r\n"
 
 
+def test_bad_input_is_answered_after_the_commands_ahead_of_it_then_the_connection_closes(tmp_path):
+    with arca_thread(tmp_path) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(b"SET a 1\r\nGET a\r\n*1\r\n+PING\r\nSET b 2\r\n")
+        got = b""
+        while chunk := sock.recv(4096):
+            got += chunk
+        assert got == b"+OK\r\n$1\r\n1\r\n-ERR Protocol error: expected '$', got '+'\r\n"
+
+
 class FakeTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
