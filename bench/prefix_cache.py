@@ -9,19 +9,25 @@ a different short question in every request (streamed /v1/completions,
 greedy, TTFT = request sent to first token). One server computes at a time:
 
 - reame: cold (empty cache directory); the same process again (its slot
-  still holds the document; `--reps` times, in turn with llama-server's, both
-  servers up and one computing at a time; the median); from the RAM tier (after an unrelated request
-  took the slot); a new process on the same directory (disk tier; the file
-  is in the OS page cache, as on a server that wrote it recently; `--restarts`
-  new processes, one request each, the median); and, when
-  this host lets us drop the page cache, a new process reading the disk cold.
+  still holds the document; `--reps` times); from the RAM tier (after an
+  unrelated request took the slot); a new process on the same directory
+  (disk tier; the file is in the OS page cache, as on a server that wrote it
+  recently; `--restarts` new processes, one request each, the median); and,
+  when this host lets us drop the page cache, a new process reading the disk
+  cold.
 - llama-server (same pinned build, model, threads, context): cold; the same
-  process again (cache_prompt; in turn with Reame's, the median); a new process after `/slots/0?action=save`,
+  process again (cache_prompt); a new process after `/slots/0?action=save`,
   restoring with `?action=restore` first (its best equivalent across a
   restart; the restore time is counted in its TTFT).
 
-Every Reame server starts on a fresh cache directory, so a cold run never finds
-an earlier run's snapshots. Each server's first question is asked again at the
+llama-server stays up throughout, and every warm Reame request is paired with a
+warm llama-server request asked just before or after it (alternating, one
+computing at a time): each ratio compares requests made in the same minute.
+Every warm request prefills the same number of tokens (QUESTIONS): the row count
+of a step moves its cost by up to a third on Q4_K_M files here.
+
+Each prefix length starts Reame on a fresh cache directory, so a cold run never
+finds an earlier run's snapshots. Each server's first question is asked again at the
 end, warm: its greedy answer must be the cold one ("same answer").
 
 Also printed: where one warm request's time goes (a trace in this process,
@@ -61,6 +67,14 @@ def document_text(n_words: int) -> str:
 
 def question(k: int) -> str:
     return f"\n\nQuestion {k}: which service has the highest latency in section {k}?\nAnswer:"
+
+
+# The warm questions: two-digit numbers whose first digit is never 1 (the cold question's) nor the
+# previous question's of the same server (they are drawn in pairs, one per server), so every warm
+# request, whatever it restores (its slot, the RAM tier, the disk), shares exactly the document and
+# "Question " with it and prefills the same number of tokens: one row more or less moves a step's cost
+# by up to a third at 16 rows on Q4_K_M files here.
+QUESTIONS = [10 * (2 + i % 8) + (i // 8) % 10 for i in range(80)]
 
 
 def post(port: int, path: str, body: dict, timeout_s: float = 600) -> dict:
@@ -150,45 +164,59 @@ def exact_document(port: int, n_tokens: int) -> str:
 def measure(path: str, args: argparse.Namespace, document: str, work: Path
             ) -> tuple[dict[str, float], dict[str, float], dict[str, bool]]:
     """TTFTs of every case for Reame and llama-server, and whether each one's warm greedy answer was its
-    cold one. Both servers are up for the warm same-process case, asked in turn `args.reps` times (one
-    computing at a time), so the two medians share this machine's mood; the rest is one request each."""
+    cold one. llama-server stays up throughout: every warm Reame case is paired with llama-server's warm
+    same process asked in the same minute (in turn, one computing at a time), so each ratio compares
+    requests made under the same machine mood. Every warm request prefills the same number of tokens
+    (QUESTIONS)."""
     cache_dir, slot_dir = work / "kv", work / "slots"
     shutil.rmtree(cache_dir, ignore_errors=True)
     slot_dir.mkdir(exist_ok=True)
     reame: dict[str, float] = {}
     llama: dict[str, float] = {}
+    pairs: dict[str, list[tuple[float, float]]] = {}  # case -> (reame, llama-server warm) asked in turn
     answers: dict[str, str] = {}
     same: dict[str, bool] = {}
-    with reame_server(path, args, cache_dir) as ours, llama_server(path, args, slot_dir) as theirs:
-        servers = {"reame": (ours, reame), "llama-server": (theirs, llama)}
-        for name, (server, times) in servers.items():
-            times["cold"], answers[name] = first_token(server.port, document + question(1))
-        warm: dict[str, list[float]] = {name: [] for name in servers}
-        for rep in range(args.reps):
-            for name in (list(servers) if rep % 2 == 0 else list(reversed(servers))):
-                warm[name].append(first_token_s(servers[name][0].port, document + question(10 + rep)))
-        for name, (server, times) in servers.items():
-            times["same process (slot)"] = statistics.median(warm[name])
-        same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
+    questions = iter(QUESTIONS)
+    with llama_server(path, args, slot_dir) as theirs:
+        def paired(case: str, ours: Server, rep: int) -> None:
+            mine, peer = next(questions), next(questions)
+            if rep % 2:
+                pair = (first_token_s(ours.port, document + question(mine)),
+                        first_token_s(theirs.port, document + question(peer)))
+            else:
+                peer_s = first_token_s(theirs.port, document + question(peer))
+                pair = (first_token_s(ours.port, document + question(mine)), peer_s)
+            pairs.setdefault(case, []).append(pair)
+
+        with reame_server(path, args, cache_dir) as ours:
+            for name, server in (("reame", ours), ("llama-server", theirs)):
+                times = reame if name == "reame" else llama
+                times["cold"], answers[name] = first_token(server.port, document + question(1))
+            for rep in range(args.reps):
+                paired("same process (slot)", ours, rep)
+            same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
+            first_token_s(ours.port, "An unrelated request that takes the only slot.")
+            paired("RAM tier", ours, 0)
+        for restart in range(args.restarts):  # one request per new process, each paired
+            with reame_server(path, args, cache_dir) as ours:
+                paired("new process, disk (page cache)", ours, restart)
+                if restart == 0:
+                    same["reame"] = first_token(ours.port, document + question(1))[1] == answers["reame"]
+        if drop_page_cache():
+            with reame_server(path, args, cache_dir) as ours:
+                drop_page_cache()
+                paired("new process, disk (cold read)", ours, 0)
         post(theirs.port, "/slots/0?action=save", {"filename": "document.bin"})
-        first_token_s(ours.port, "An unrelated request that takes the only slot.")
-        reame["RAM tier"] = first_token_s(ours.port, document + question(3))
-    restarts = []
-    for restart in range(args.restarts):  # one request per new process: the median of a few
-        with reame_server(path, args, cache_dir) as server:
-            restarts.append(first_token_s(server.port, document + question(20 + restart)))
-            if restart == 0:
-                same["reame"] = first_token(server.port, document + question(1))[1] == answers["reame"]
-    reame["new process, disk (page cache)"] = statistics.median(restarts)
-    if drop_page_cache():
-        with reame_server(path, args, cache_dir) as server:
-            drop_page_cache()
-            reame["new process, disk (cold read)"] = first_token_s(server.port, document + question(5))
+    for case, measured in pairs.items():
+        reame[case] = statistics.median(mine for mine, _ in measured)
+        llama[f"warm beside: {case}"] = statistics.median(peer for _, peer in measured)
+    llama["same process (slot)"] = llama.pop("warm beside: same process (slot)")
     with llama_server(path, args, slot_dir) as server:
         started = time.perf_counter()
         post(server.port, "/slots/0?action=restore", {"filename": "document.bin"})
         restore_s = time.perf_counter() - started
-        llama["new process, slot restore"] = restore_s + first_token_s(server.port, document + question(4))
+        llama["new process, slot restore"] = restore_s + first_token_s(server.port,
+                                                                       document + question(next(questions)))
     return reame, llama, same
 
 
@@ -216,7 +244,7 @@ def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> li
             engine.generate(GenerationRequest(document + question(1), params))
             steps.clear()
             started = time.perf_counter()
-            handle = engine.submit(GenerationRequest(document + question(2), params))
+            handle = engine.submit(GenerationRequest(document + question(QUESTIONS[0]), params))
             submitted = time.perf_counter()
             next(handle.events())
             first = time.perf_counter()
@@ -253,7 +281,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5, help="warm same-process requests per server, in turn")
-    parser.add_argument("--restarts", type=int, default=3, help="new Reame processes asked once each from disk")
+    parser.add_argument("--restarts", type=int, default=5, help="new Reame processes asked once each from disk")
     args = parser.parse_args()
     path = str(model_path(args.model))
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as scratch:
@@ -265,7 +293,9 @@ def main() -> None:
             reame_times, llama_times, same = measure(path, args, document, work)
             # Each Reame case against llama-server's: cold against cold, every warm case against its warm
             # same process (its best in one process).
-            peer = {name: llama_times["cold" if name == "cold" else "same process (slot)"] for name in reame_times}
+            peer = {name: llama_times["cold" if name == "cold" else
+                                      "same process (slot)" if name == "same process (slot)" else
+                                      f"warm beside: {name}"] for name in reame_times}
             for server, times in (("reame", reame_times), ("llama-server", llama_times)):
                 for name, seconds in times.items():
                     against = f"{seconds / peer[name]:.2f}" if server == "reame" else ""

@@ -41,21 +41,30 @@ class LookupDrafter:
         self.history: list[int] = []
         # n-gram -> position just after its latest occurrence that ends before the last token
         self._next_after: dict[tuple[int, ...], int] = {}
+        # Tokens seen but not indexed yet: a long prompt is indexed when the first draft is asked for
+        # (2.6 ms for 3,900 tokens here), after its first token went out, not before.
+        self._unindexed: list[int] = []
 
     def observe(self, tokens: Sequence[int]) -> None:
-        history = self.history
-        for token in tokens:
+        self._unindexed.extend(tokens)
+
+    def _index(self) -> None:
+        history, next_after, max_ngram = self.history, self._next_after, self.max_ngram
+        for token in self._unindexed:
             # The n-grams ending at the previous last token become searchable: an occurrence that
             # ends at the very last token would only match itself.
             end = len(history)
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self._next_after[tuple(history[end - n:end])] = end
+            for n in range(1, min(max_ngram, end) + 1):
+                next_after[tuple(history[end - n:end])] = end
             history.append(token)
+        self._unindexed = []
 
     def propose(self, limit: int) -> list[int]:
-        history = self.history
         if limit <= 0:
             return []
+        if self._unindexed:
+            self._index()
+        history = self.history
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             start = self._next_after.get(tuple(history[-n:]))
             if start is not None:
