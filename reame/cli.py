@@ -427,9 +427,21 @@ def command_pull(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments, with `run`'s prompt allowed after its options (`run MODEL --temp 0 -`): argparse
+    fills an optional positional at its first chance, so a prompt after the options is left over."""
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "run" and args.prompt is None and len(rest) == 1 and \
+            (rest[0] == "-" or not rest[0].startswith("-")):
+        args.prompt, rest = rest[0], []
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     quiet = getattr(args, "quiet", False)
     configure_logging(logging.WARNING if quiet else logging.INFO)
     try:

@@ -4,6 +4,8 @@ The edges (CLI, HTTP, RESP) turn these into exit codes, status codes and error
 replies; nothing below them prints or exits.
 """
 
+import os
+
 
 class ReameError(Exception):
     """Base of every error Reame reports to a user."""
@@ -45,3 +47,12 @@ class OverloadedError(ReameError):
 
 class EngineUnavailable(ReameError):
     """The engine is shutting down or has failed: nothing new can run (an HTTP 503)."""
+
+
+class ListenError(ConfigError):
+    """The address to serve on cannot be bound (taken by another server, not ours to use)."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        super().__init__(f"cannot listen on {host}:{port}: {reason} (another server there? choose another "
+                         "port, or 0 for a free one)")

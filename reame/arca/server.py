@@ -40,6 +40,7 @@ from reame.arca.store import (
     truncate_log,
 )
 from reame.arca.stream_commands import Blocked, StreamCommands
+from reame.errors import ListenError
 
 log = logging.getLogger("reame.arca")
 
@@ -114,8 +115,12 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
     # --- serving ---
 
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
-        server = await asyncio.get_running_loop().create_server(
-            lambda: Connection(self), self.settings.host, self.settings.port, reuse_address=True)
+        try:
+            server = await asyncio.get_running_loop().create_server(
+                lambda: Connection(self), self.settings.host, self.settings.port, reuse_address=True)
+        except OSError as error:
+            self.aof.close()
+            raise ListenError(self.settings.host, self.settings.port, error) from None
         port = server.sockets[0].getsockname()[1]
         log.info("ARCA listening on %s:%d (data in %s%s)", self.settings.host, port, self.settings.directory,
                  ", password required" if self.settings.requirepass else "")

@@ -13,6 +13,7 @@ import threading
 from typing import Callable
 
 from reame.engine import Engine
+from reame.errors import ListenError
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.answers import AnswerCache
 from reame.server.openai_api import App
@@ -25,7 +26,10 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
           sessions: Sessions | None = None, answers: AnswerCache | None = None) -> int:
     """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end."""
     app = App(settings, sessions=sessions, answers=answers)
-    server = ReameHTTPServer(settings, app)
+    try:
+        server = ReameHTTPServer(settings, app)
+    except OSError as error:
+        raise ListenError(settings.host, settings.port, error) from None
     host, port = server.server_address[:2]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

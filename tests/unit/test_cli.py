@@ -129,3 +129,40 @@ def test_schema_and_grammar_together_are_refused(tmp_path, capsys):
     path.write_text('root ::= "a"')
     code, _, err = run(["run", "smollm2", "hi", "--grammar", str(path), "--json-schema", str(path)], capsys)
     assert code == 2 and "not both" in err
+
+
+@pytest.mark.parametrize("command", ["serve", "arca"])
+def test_a_port_already_taken_is_one_line_not_a_traceback(tmp_path, capsys, command):
+    import socket
+
+    from tests.unit.test_gguf import GOOD
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(GOOD)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = ["run", str(model), "--serve", "--port", port] if command == "serve" else \
+            ["arca", "--port", port, "--dir", str(tmp_path / "arca")]
+        code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert f"reame: error: cannot listen on 127.0.0.1:{port}: address already in use" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, prompt", [
+    (["run", "m", "-q", "--temp", "0", "-"], "-"),
+    (["run", "m", "--temp", "0", "Write a haiku"], "Write a haiku"),
+    (["run", "m", "Write a haiku", "--temp", "0"], "Write a haiku"),
+    (["run", "m", "--temp", "0"], None),
+])
+def test_the_prompt_may_come_before_or_after_the_options(argv, prompt):
+    assert cli.parse(cli.build_parser(), argv).prompt == prompt
+
+
+@pytest.mark.parametrize("argv", [["run", "m", "a", "b"], ["run", "m", "--temp", "0", "--no-such-flag"],
+                                  ["list", "extra"]])
+def test_left_over_arguments_are_still_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli.parse(cli.build_parser(), argv)
+    assert raised.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
