@@ -1,0 +1,57 @@
+"""The benchmarks `python -m bench all` runs, in order, each with its full and its quick arguments.
+
+The machine's ceiling comes first: every batching and speculation figure after it is to be read
+beside what a step of B rows costs here. Quick runs use the small models and fewer repetitions;
+they keep every comparison (Reame against llama.cpp's own tool, feature on against off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+
+    def command(self, quick: bool) -> list[str]:
+        """The arguments after `python`: the script and its options."""
+        return [f"bench/{self.name}.py", *(self.quick if quick else self.full)]
+
+
+SUITE = (
+    Bench("ceiling", "The machine's ceiling: a decode step with 1–16 rows (llama-batched-bench)",
+          ("--model", "qwen2.5-coder-1.5b", "--model", "qwen2.5-coder-0.5b", "--model", "smollm2-135m",
+           "--model", "gemma3-270m"),
+          ("--model", "qwen2.5-coder-1.5b", "--model", "smollm2-135m", "--tokens", "16")),
+    Bench("decode", "Single-stream greedy decode vs llama-bench",
+          ("--model", "smollm2-135m", "--model", "gemma3-270m", "--model", "qwen2.5-coder-0.5b",
+           "--model", "qwen2.5-coder-1.5b", "--reps", "10"),
+          ("--model", "smollm2-135m", "--model", "qwen2.5-coder-1.5b", "--reps", "2", "--tokens", "64")),
+    Bench("portable", "Portable vs native libllama",
+          ("--model", "smollm2-135m", "--model", "qwen2.5-coder-1.5b"),
+          ("--model", "smollm2-135m", "--reps", "2", "--tokens", "64")),
+    Bench("sampling", "Sampling inside the decode graph vs on the CPU", (), ("--reps", "2", "--tokens", "64")),
+    Bench("server", "HTTP single stream vs llama-server",
+          ("--model", "qwen2.5-coder-1.5b"), ("--reps", "2", "--tokens", "64")),
+    Bench("concurrency", "Concurrent streams vs llama-server -np N",
+          ("--clients", "1", "--clients", "2", "--clients", "4", "--clients", "8"),
+          ("--clients", "1", "--clients", "4", "--reps", "1", "--tokens", "48")),
+    Bench("prefix_cache", "Prefix cache: time to first token with a shared document vs llama-server",
+          (), ("--model", "qwen2.5-coder-0.5b", "--prefix", "1000", "--reps", "3", "--restarts", "3")),
+    Bench("kv_quality", "q8_0 against f16 KV", (),
+          ("--model", "qwen2.5-coder-0.5b", "--tokens", "512", "--reps", "1")),
+    Bench("speculative", "Speculative decoding vs llama-server's speculative modes", (),
+          ("--tokens", "64", "--reps", "1")),
+    Bench("palimpsest", "The Palimpsest: a template workload and a repeat after a restart", (),
+          ("--products", "4", "--reps", "1", "--tokens", "96")),
+    Bench("structured", "Structured output and Il Suggeritore vs llama-server's json_schema", (),
+          ("--reps", "1")),
+    Bench("conclave", "The Conclave: best-of-5 on an extraction exam", (), ("--exam", "8", "--timed", "1")),
+    Bench("arca", "ARCA vs redis-server, and an exact-answer hit over HTTP", (),
+          ("--model", "smollm2-135m", "--requests", "50000", "--reps", "1", "--hits", "50")),
+    Bench("soak", "Soak: misbehaving clients against a few slots", (), ("--seconds", "15")),
+)
