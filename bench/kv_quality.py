@@ -14,6 +14,7 @@ KV type (alternating, in one process). Needs numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -35,25 +36,26 @@ def log_softmax_rows(backend: LlamaBackend, count: int) -> np.ndarray:
     return rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
 
 
-def agreement(path: str, threads: int, n_tokens: int) -> tuple[float, float, float, int]:
-    """(top-1 agreement, mean KL, p99 KL, positions) of q8_0 against f16 over one text."""
-    contexts = {kv: LlamaBackend(ModelSettings(path, n_ctx=n_tokens + 64, n_threads=threads, n_batch=CHUNK,
-                                               n_ubatch=CHUNK, kv_type=kv)) for kv in ("f16", "q8_0")}
+def agreement(reference: ModelSettings, other: ModelSettings, n_tokens: int) -> tuple[float, float, float, int]:
+    """(top-1 agreement, mean KL(reference || other), p99 KL, positions) of two contexts' next-token
+    distributions over one text (another KV type, or another file of the same model)."""
+    shape = dict(n_ctx=n_tokens + 64, n_batch=CHUNK, n_ubatch=CHUNK)
+    contexts = [LlamaBackend(dataclasses.replace(settings, **shape)) for settings in (reference, other)]
     try:
-        tokens = contexts["f16"].tokenize(TEXT)[:n_tokens]
+        tokens = contexts[0].tokenize(TEXT)[:n_tokens]
         same, divergences = 0, []
         for start in range(0, len(tokens), CHUNK):
             chunk = tokens[start:start + CHUNK]
-            rows = {}
-            for kv, backend in contexts.items():
+            rows = []
+            for backend in contexts:
                 backend.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk), [True] * len(chunk))
-                rows[kv] = log_softmax_rows(backend, len(chunk))
-            p, q = rows["f16"], rows["q8_0"]
+                rows.append(log_softmax_rows(backend, len(chunk)))
+            p, q = rows
             same += int((p.argmax(axis=1) == q.argmax(axis=1)).sum())
             divergences += list((np.exp(p) * (p - q)).sum(axis=1))
         return same / len(tokens), float(np.mean(divergences)), float(np.percentile(divergences, 99)), len(tokens)
     finally:
-        for backend in contexts.values():
+        for backend in contexts:
             backend.close()
 
 
@@ -70,7 +72,9 @@ def main() -> None:
                           reps_help="decode-speed runs per KV type")
     args = parser.parse_args()
     path = str(model_path(args.model))
-    top1, mean_kl, p99_kl, positions = agreement(path, args.threads, args.tokens)
+    top1, mean_kl, p99_kl, positions = agreement(ModelSettings(path, n_threads=args.threads, kv_type="f16"),
+                                                 ModelSettings(path, n_threads=args.threads, kv_type="q8_0"),
+                                                 args.tokens)
     with LlamaBackend(ModelSettings(path, n_ctx=2048, n_threads=args.threads)) as backend:
         prompt = backend.tokenize(TEXT)[:1000]
     speeds: dict[str, list[float]] = {"f16": [], "q8_0": []}

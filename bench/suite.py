@@ -40,6 +40,8 @@ SUITE = (
     Bench("concurrency", "Concurrent streams vs llama-server -np N",
           ("--clients", "1", "--clients", "2", "--clients", "4", "--clients", "8"),
           ("--clients", "1", "--clients", "4", "--reps", "1", "--tokens", "48")),
+    Bench("quantization", "Which model files batch well: quantization types vs the original file",
+          (), ("--model", "qwen2.5-coder-0.5b", "--types", "q4_0", "--tokens", "512", "--steps", "16")),
     Bench("prefix_cache", "Prefix cache: time to first token with a shared document vs llama-server",
           (), ("--model", "qwen2.5-coder-0.5b", "--prefix", "1000", "--reps", "3", "--restarts", "3")),
     Bench("kv_quality", "q8_0 against f16 KV", (),

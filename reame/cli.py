@@ -23,12 +23,13 @@ from reame.arca.server import ArcaSettings
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend
+from reame.engine.backend import LlamaBackend, usable_cores
 from reame.engine.conclave import MAX_ATTEMPTS, convene
 from reame.engine.grammar import GrammarError
 from reame.engine.json_schema import schema_to_gbnf
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
+from reame.quantize import QUANT_TYPES, requantize
 from reame.server.structured import checked
 from reame.settings import Settings, from_values
 
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="the model catalog and what is on disk")
     pull = commands.add_parser("pull", help="download a catalog model without running it")
     pull.add_argument("model", help="a catalog name")
+    pull.add_argument("--quantize", metavar="TYPE", choices=QUANT_TYPES,
+                      help=f"also write a copy requantized to TYPE ({', '.join(QUANT_TYPES)}) beside it and print its "
+                           "path (docs/models.md: which types batch faster here, and what they cost in quality)")
     return parser
 
 
@@ -423,7 +427,11 @@ def command_pull(args: argparse.Namespace) -> int:
     entry = catalog.resolve(args.model)
     if entry is None:
         raise ConfigError(f"unknown model '{args.model}'; catalog names: {', '.join(catalog.suggestions(args.model))}")
-    print(fetch.ensure_model(entry, progress=assembly.progress_stream()))
+    path = fetch.ensure_model(entry, progress=assembly.progress_stream())
+    if args.quantize:
+        log.info("requantizing %s to %s…", path.name, args.quantize)
+        path = requantize(path, args.quantize, usable_cores())
+    print(path)
     return EXIT_OK
 
 

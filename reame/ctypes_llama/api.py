@@ -25,6 +25,7 @@ from reame.ctypes_llama.types import (
     llama_memory_t,
     llama_model_p,
     llama_model_params,
+    llama_model_quantize_params,
     llama_pos,
     llama_sampler_chain_params,
     llama_sampler_p,
@@ -52,6 +53,8 @@ _declare("llama_model_default_params", [], llama_model_params)
 _declare("llama_context_default_params", [], llama_context_params)
 # LLAMA_API struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
 _declare("llama_sampler_chain_default_params", [], llama_sampler_chain_params)
+# LLAMA_API struct llama_model_quantize_params llama_model_quantize_default_params(void);
+_declare("llama_model_quantize_default_params", [], llama_model_quantize_params)
 # LLAMA_API void llama_backend_init(void);
 _declare("llama_backend_init", [], None)
 # LLAMA_API void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
@@ -97,6 +100,9 @@ _declare("llama_model_n_params", [llama_model_p], c_uint64)
 _declare("llama_model_is_recurrent", [llama_model_p], c_bool)
 # LLAMA_API bool llama_model_is_hybrid(const struct llama_model * model);
 _declare("llama_model_is_hybrid", [llama_model_p], c_bool)
+# LLAMA_API uint32_t llama_model_quantize(const char * fname_inp, const char * fname_out,
+#                                         const llama_model_quantize_params * params);
+_declare("llama_model_quantize", [c_char_p, c_char_p, POINTER(llama_model_quantize_params)], c_uint32)
 
 # --- Memory ---
 # LLAMA_API void llama_memory_clear(llama_memory_t mem, bool data);

@@ -257,6 +257,46 @@ class llama_context_params(Structure):
     ]
 
 
+# enum llama_ftype: the file types `reame pull --quantize` writes (LLAMA_FTYPE_MOSTLY_*)
+LLAMA_FTYPE_MOSTLY_Q4_0 = 2
+LLAMA_FTYPE_MOSTLY_Q4_1 = 3
+LLAMA_FTYPE_MOSTLY_Q8_0 = 7
+LLAMA_FTYPE_MOSTLY_Q4_K_S = 14
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+LLAMA_FTYPE_MOSTLY_Q5_K_M = 17
+LLAMA_FTYPE_MOSTLY_Q6_K = 18
+# enum ggml_type: GGML_TYPE_COUNT means "the ftype's choice" for the output and embedding types
+GGML_TYPE_COUNT = 43
+
+
+# typedef struct llama_model_quantize_params {
+#     int32_t nthread; enum llama_ftype ftype; enum ggml_type output_tensor_type;
+#     enum ggml_type token_embedding_type; bool allow_requantize; bool quantize_output_tensor;
+#     bool only_copy; bool pure; bool keep_split; bool dry_run;
+#     const struct llama_model_imatrix_data * imatrix; const struct llama_model_kv_override * kv_overrides;
+#     const struct llama_model_tensor_override * tt_overrides; const int32_t * prune_layers;
+#     size_t max_buf_size;
+# } llama_model_quantize_params;
+class llama_model_quantize_params(Structure):
+    _fields_ = [
+        ("nthread", c_int32),
+        ("ftype", c_enum),
+        ("output_tensor_type", c_enum),
+        ("token_embedding_type", c_enum),
+        ("allow_requantize", c_bool),
+        ("quantize_output_tensor", c_bool),
+        ("only_copy", c_bool),
+        ("pure", c_bool),
+        ("keep_split", c_bool),
+        ("dry_run", c_bool),
+        ("imatrix", c_void_p),
+        ("kv_overrides", c_void_p),
+        ("tt_overrides", c_void_p),
+        ("prune_layers", POINTER(c_int32)),
+        ("max_buf_size", c_size_t),
+    ]
+
+
 # typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
 class llama_token_data(Structure):
     _fields_ = [
@@ -340,5 +380,6 @@ BOUND_STRUCTS: tuple[type[Structure], ...] = (
     llama_logit_bias,
     llama_sampler_chain_params,
     llama_chat_message,
+    llama_model_quantize_params,
     ggml_threadpool_params,
 )

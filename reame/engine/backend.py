@@ -237,7 +237,7 @@ def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
         _llama_log.debug("%s", line)
 
 
-def _init_native() -> None:
+def init_native() -> None:
     """Load the library, route its logs, init the backend: once per process."""
     global _backend_ready, _log_callback
     with _init_lock:
@@ -258,7 +258,7 @@ def _init_native() -> None:
         _backend_ready = True
 
 
-def _last_llama_error() -> str:
+def last_llama_error() -> str:
     return f" ({_recent_errors[-1]})" if _recent_errors else ""
 
 
@@ -267,7 +267,7 @@ class LlamaBackend:
 
     def __init__(self, settings: ModelSettings) -> None:
         settings = settings.validated()
-        _init_native()
+        init_native()
         from reame.ctypes_llama import api
         self._api = api
         self.settings = settings
@@ -286,7 +286,7 @@ class LlamaBackend:
         model_params.load_mode = mode
         self._model = api.llama_model_load_from_file(os.fsencode(settings.path), model_params)
         if not self._model:
-            raise ModelError(f"cannot load model {settings.path}{_last_llama_error()}")
+            raise ModelError(f"cannot load model {settings.path}{last_llama_error()}")
 
         threads = settings.n_threads or usable_cores()
         ctx_params = api.llama_context_default_params()
@@ -307,7 +307,7 @@ class LlamaBackend:
         if not self._ctx:
             self.close()
             raise ModelError(f"cannot create a context of {settings.n_ctx} tokens for {settings.path}"
-                             f"{_last_llama_error()}")
+                             f"{last_llama_error()}")
         self._threadpool = self._attach_threadpool(threads)
         self._memory = api.llama_get_memory(self._ctx)
         self._vocab = api.llama_model_get_vocab(self._model)
@@ -520,7 +520,7 @@ class LlamaBackend:
         self._outputs = frozenset()
         if status == DECODE_NO_KV_SLOT:
             return DECODE_NO_KV_SLOT
-        raise ModelError(f"llama_decode failed with status {status}{_last_llama_error()}")
+        raise ModelError(f"llama_decode failed with status {status}{last_llama_error()}")
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
         """A sampler for `steps`. A grammar without penalties gets a `_GrammarOnRejection`: the grammar is
@@ -569,7 +569,7 @@ class LlamaBackend:
                 sampler = api.llama_sampler_init_grammar(self._vocab, args[0].encode("utf-8"), b"root")
                 if not sampler:
                     api.llama_sampler_free(chain)
-                    raise ModelError(f"llama.cpp refused the grammar{_last_llama_error()}")
+                    raise ModelError(f"llama.cpp refused the grammar{last_llama_error()}")
             elif kind == "penalties":
                 last_n, repeat, frequency, presence, window = args
                 sampler = api.llama_sampler_init_penalties(self.n_vocab, last_n, repeat, frequency, presence)
@@ -787,7 +787,7 @@ class _EmbeddingContext:
         params.no_perf = True
         self._ctx = api.llama_init_from_model(model, params)
         if not self._ctx:
-            raise ModelError(f"cannot create an embedding context of {n_ctx} tokens{_last_llama_error()}")
+            raise ModelError(f"cannot create an embedding context of {n_ctx} tokens{last_llama_error()}")
         if threadpool:
             api.llama_attach_threadpool(self._ctx, threadpool, threadpool)
         self._memory = api.llama_get_memory(self._ctx)
@@ -808,7 +808,7 @@ class _EmbeddingContext:
         try:
             status = self._api.llama_decode(self._ctx, batch)
             if status != DECODE_OK:
-                raise ModelError(f"embedding decode failed with status {status}{_last_llama_error()}")
+                raise ModelError(f"embedding decode failed with status {status}{last_llama_error()}")
             vectors = []
             for seq_id in range(len(inputs)):
                 pointer = self._api.llama_get_embeddings_seq(self._ctx, seq_id)
