@@ -11,7 +11,7 @@ from html import escape
 
 PALETTE = ("#2b6cb0", "#dd6b20", "#718096", "#38a169", "#805ad5", "#c53030")
 WIDTH = 760
-LABEL_WIDTH = 230
+CHAR_WIDTH = 6.6  # px per character of a 12 px sans-serif label, roughly
 BAR_HEIGHT = 14
 GAP = 10
 TOP = 56
@@ -28,7 +28,8 @@ def bar_chart(title: str, categories: list[str], series: dict[str, list[float | 
     if any(value < 0 for value in known):
         raise ValueError("bars are lengths: no negative values")
     top_value = max(known + ([reference] if reference is not None else []) + [1e-9])
-    plot = WIDTH - LABEL_WIDTH - 90
+    label_width = int(min(WIDTH / 2, 16 + CHAR_WIDTH * max(len(category) for category in categories)))
+    plot = WIDTH - label_width - 90
     scale = plot / top_value
     group = len(series) * BAR_HEIGHT + GAP
     height = TOP + len(categories) * group + 20
@@ -45,21 +46,21 @@ def bar_chart(title: str, categories: list[str], series: dict[str, list[float | 
     out.append(f'<text x="{WIDTH - 10}" y="42" text-anchor="end" fill="#4a5568">{escape(unit)}</text>')
     for row, category in enumerate(categories):
         y = TOP + row * group
-        out.append(f'<text x="{LABEL_WIDTH - 8}" y="{y + group / 2}" text-anchor="end" '
+        out.append(f'<text x="{label_width - 8}" y="{y + group / 2}" text-anchor="end" '
                    f'dominant-baseline="middle">{escape(category)}</text>')
         for index, values in enumerate(series.values()):
             value = values[row]
             bar_y = y + index * BAR_HEIGHT
             if value is None:
-                out.append(f'<text x="{LABEL_WIDTH + 4}" y="{bar_y + BAR_HEIGHT - 3}" fill="#a0aec0">n/a</text>')
+                out.append(f'<text x="{label_width + 4}" y="{bar_y + BAR_HEIGHT - 3}" fill="#a0aec0">n/a</text>')
                 continue
             length = max(1.0, value * scale)
-            out.append(f'<rect x="{LABEL_WIDTH}" y="{bar_y}" width="{length:.1f}" height="{BAR_HEIGHT - 2}" '
+            out.append(f'<rect x="{label_width}" y="{bar_y}" width="{length:.1f}" height="{BAR_HEIGHT - 2}" '
                        f'fill="{PALETTE[index % len(PALETTE)]}"/>')
-            out.append(f'<text x="{LABEL_WIDTH + length + 4:.1f}" y="{bar_y + BAR_HEIGHT - 3}">'
+            out.append(f'<text x="{label_width + length + 4:.1f}" y="{bar_y + BAR_HEIGHT - 3}">'
                        f'{value:,.{digits}f}</text>')
     if reference is not None:
-        x_ref = LABEL_WIDTH + reference * scale
+        x_ref = label_width + reference * scale
         out.append(f'<line x1="{x_ref:.1f}" y1="{TOP - 6}" x2="{x_ref:.1f}" y2="{height - 14}" stroke="#1a202c" '
                    f'stroke-dasharray="4 3"/>')
         out.append(f'<text x="{x_ref:.1f}" y="{height - 3}" text-anchor="middle" fill="#1a202c">'

@@ -160,7 +160,7 @@ def concurrency_chart(results: list[Result]) -> str | None:
               "llama-server -np N": [number(row[table.column("llama-server -np N tok/s")]) for row in table.rows],
               "one at a time": [number(row[table.column("serialized tok/s")]) for row in table.rows]}
     if ceiling:
-        series["ceiling (N rows a step)"] = [ceiling.get(n) for n in clients]
+        series["ceiling: N rows a step, no drafts"] = [ceiling.get(n) for n in clients]
     return bar_chart(f"Aggregate decode with N concurrent users ({model})",
                      [f"{n} user{'s' if n != '1' else ''}" for n in clients], series, "tok/s")
 
@@ -177,12 +177,13 @@ def features_chart(results: list[Result]) -> str | None:
                 continue
             for row in table.rows:
                 value = number(row[column])
-                if value is not None:
-                    categories.append(f"{row[0]} · {row[1]}"[:38])
+                baseline = value == 1.0 and (row[1].endswith("off") or row[1] == "llama-server")
+                if value is not None and not baseline:
+                    categories.append(f"{name}: {row[0]} · {row[1]}")
                     values.append(value)
     if not categories:
         return None
-    return bar_chart("Speed-up per feature (decode tok/s, on vs off, paired)", categories,
+    return bar_chart("Speed-up per feature (decode tok/s against the same server with it off)", categories,
                      {"speed-up": values}, "×", reference=1.0, digits=2)
 
 
