@@ -51,7 +51,7 @@ def doc_commands() -> list[tuple[str, str]]:
     found = []
     for path in DOCS:
         for block in re.findall(r"```sh\n(.*?)```", path.read_text(), re.S):
-            for line in block.splitlines():
+            for line in block.replace("\\\n", " ").splitlines():  # continued lines joined
                 command = re.sub(r"\s+# .*$", "", line).strip()  # a comment after the command
                 if command and not command.startswith("#"):
                     found.append((path.name, command))
