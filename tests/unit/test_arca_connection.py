@@ -24,6 +24,15 @@ def exchange(sock: socket.socket, data: bytes, expected: bytes) -> bytes:
     return got
 
 
+def until_closed(sock: socket.socket, data: bytes) -> bytes:
+    """Send `data`, read everything until the server closes the connection."""
+    sock.sendall(data)
+    got = b""
+    while chunk := sock.recv(4096):
+        got += chunk
+    return got
+
+
 def test_commands_pipelined_behind_a_blocked_xread_are_answered_after_it_in_order(tmp_path):
     with arca_thread(tmp_path) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as reader:
         writer = redis.Redis(port=port)
@@ -37,22 +46,15 @@ def test_commands_pipelined_behind_a_blocked_xread_are_answered_after_it_in_orde
 
 def test_quit_answers_what_came_before_it_and_nothing_after(tmp_path):
     with arca_thread(tmp_path) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(b"SET a 1\r\nQUIT\r\nSET b 2\r\n")
-        got = b""
-        while chunk := sock.recv(4096):
-            got += chunk
-        assert got == b"+OK\r\n+OK\r\n"
+        assert until_closed(sock, b"SET a 1\r\nQUIT\r\nSET b 2\r\n") == b"+OK\r\n+OK\r\n"
     with arca_thread(tmp_path) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         assert exchange(sock, b"MGET a b\r\n", b"*2\r\n$1\r\n1\r\n$-1\r\n") == b"*2\r\n$1\r\n1\r\n$-1\r\n"
 
 
 def test_bad_input_is_answered_after_the_commands_ahead_of_it_then_the_connection_closes(tmp_path):
     with arca_thread(tmp_path) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(b"SET a 1\r\nGET a\r\n*1\r\n+PING\r\nSET b 2\r\n")
-        got = b""
-        while chunk := sock.recv(4096):
-            got += chunk
-        assert got == b"+OK\r\n$1\r\n1\r\n-ERR Protocol error: expected '$', got '+'\r\n"
+        assert until_closed(sock, b"SET a 1\r\nGET a\r\n*1\r\n+PING\r\nSET b 2\r\n") == \
+            b"+OK\r\n$1\r\n1\r\n-ERR Protocol error: expected '$', got '+'\r\n"
 
 
 class FakeTransport(asyncio.Transport):
