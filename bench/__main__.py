@@ -2,7 +2,7 @@
 
     python -m bench all                 # the full suite (hours on a 2-core box)
     python -m bench all --quick         # smaller models and fewer repetitions (under 30 minutes there)
-    python -m bench all --only ceiling,decode --no-write
+    python -m bench all --only ceiling,decode      # printed only: docs/ holds whole runs
 
 It builds libllama and llama.cpp's tools from the pinned source (cached), fetches
 the models the suite names (cached), runs the benchmarks one at a time (they must
@@ -31,7 +31,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["all"], help="run the whole suite")
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer repetitions")
-    parser.add_argument("--only", help="comma-separated benchmark names: " + ", ".join(b.name for b in SUITE))
+    parser.add_argument("--only", help="comma-separated benchmark names (the report is then printed, not written: "
+                        "docs/BENCHMARKS.md holds whole runs): " + ", ".join(b.name for b in SUITE))
     parser.add_argument("--no-write", action="store_true", help="print the report, leave docs/ alone")
     args = parser.parse_args()
     chosen = [bench for bench in SUITE if not args.only or bench.name in args.only.split(",")]
@@ -54,9 +55,10 @@ def main() -> int:
         print(run.stdout, file=sys.stderr, flush=True)
         if run.returncode != 0:
             print(f"{bench.name} failed (exit {run.returncode}); the suite goes on", file=sys.stderr)
+    write = not (args.no_write or args.only)
     report = write_report(results, machine_facts(), args.quick, time.monotonic() - started,
-                          None if args.no_write else ROOT / "docs")
-    if args.no_write:
+                          ROOT / "docs" if write else None)
+    if not write:
         print(report)
     failed = [result.bench.name for result in results if result.returncode != 0]
     if failed:

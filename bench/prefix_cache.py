@@ -10,19 +10,21 @@ greedy, TTFT = request sent to first token). One server computes at a time:
 
 - reame: cold (empty cache directory); the same process again (its slot
   still holds the document; `--reps` times); from the RAM tier (after an
-  unrelated request took the slot); a new process on the same directory
+  unrelated request took the slot; twice); a new process on the same directory
   (disk tier; the file is in the OS page cache, as on a server that wrote it
   recently; `--restarts` new processes, one request each, the median); and,
-  when this host lets us drop the page cache, a new process reading the disk
-  cold.
+  when this host lets us drop the page cache, two new processes reading the
+  disk cold.
 - llama-server (same pinned build, model, threads, context): cold; the same
   process again (cache_prompt); a new process after `/slots/0?action=save`,
   restoring with `?action=restore` first (its best equivalent across a
   restart; the restore time is counted in its TTFT).
 
 llama-server stays up throughout, and every warm Reame request is paired with a
-warm llama-server request asked just before or after it (alternating, one
-computing at a time): each ratio compares requests made in the same minute.
+warm llama-server request asked just before or after it (one computing at a
+time): each ratio compares requests made in the same minute. Each server goes
+first in half of the pairs: the second request of a pair runs ~5% slower here,
+in the wake of the first (its threads still spinning, caches cold).
 Every warm request prefills the same number of tokens (QUESTIONS): the row count
 of a step moves its cost by up to a third on Q4_K_M files here.
 
@@ -143,6 +145,11 @@ def llama_server(path: str, args: argparse.Namespace, slot_dir: Path) -> Server:
                   ["--slot-save-path", str(slot_dir)], port, dict(os.environ))
 
 
+def even(count: int) -> int:
+    """`count` rounded up to even: each server goes first in as many pairs as the other."""
+    return count + count % 2
+
+
 def drop_page_cache() -> bool:
     """Empty the OS page cache (root on a host that allows it); False when not permitted."""
     try:
@@ -179,6 +186,8 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     questions = iter(QUESTIONS)
     with llama_server(path, args, slot_dir) as theirs:
         def paired(case: str, ours: Server, rep: int) -> None:
+            """One Reame and one llama-server warm request in turn; each goes first on alternate reps (the
+            second of a pair runs ~5% slower here, in the first one's wake), so every case has an even count."""
             mine, peer = next(questions), next(questions)
             if rep % 2:
                 pair = (first_token_s(ours.port, document + question(mine)),
@@ -192,20 +201,21 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
             for name, server in (("reame", ours), ("llama-server", theirs)):
                 times = reame if name == "reame" else llama
                 times["cold"], answers[name] = first_token(server.port, document + question(1))
-            for rep in range(args.reps):
+            for rep in range(even(args.reps)):
                 paired("same process (slot)", ours, rep)
             same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
-            first_token_s(ours.port, "An unrelated request that takes the only slot.")
-            paired("RAM tier", ours, 0)
-        for restart in range(args.restarts):  # one request per new process, each paired
+            for rep in range(2):
+                first_token_s(ours.port, "An unrelated request that takes the only slot.")
+                paired("RAM tier", ours, rep)
+        for restart in range(even(args.restarts)):  # one request per new process, each paired
             with reame_server(path, args, cache_dir) as ours:
                 paired("new process, disk (page cache)", ours, restart)
                 if restart == 0:
                     same["reame"] = first_token(ours.port, document + question(1))[1] == answers["reame"]
-        if drop_page_cache():
+        for rep in range(2 if drop_page_cache() else 0):
             with reame_server(path, args, cache_dir) as ours:
                 drop_page_cache()
-                paired("new process, disk (cold read)", ours, 0)
+                paired("new process, disk (cold read)", ours, rep)
         post(theirs.port, "/slots/0?action=save", {"filename": "document.bin"})
     for case, measured in pairs.items():
         reame[case] = statistics.median(mine for mine, _ in measured)
@@ -280,8 +290,10 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, nargs="+", default=[2000, 3900])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=5, help="warm same-process requests per server, in turn")
-    parser.add_argument("--restarts", type=int, default=5, help="new Reame processes asked once each from disk")
+    parser.add_argument("--reps", type=int, default=6, help="warm same-process requests per server, in turn "
+                        "(rounded up to even)")
+    parser.add_argument("--restarts", type=int, default=6, help="new Reame processes asked once each from disk "
+                        "(rounded up to even)")
     args = parser.parse_args()
     path = str(model_path(args.model))
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as scratch:

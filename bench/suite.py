@@ -43,7 +43,7 @@ SUITE = (
     Bench("quantization", "Which model files batch well: quantization types vs the original file",
           (), ("--model", "qwen2.5-coder-0.5b", "--types", "q4_0", "--tokens", "512", "--steps", "16")),
     Bench("prefix_cache", "Prefix cache: time to first token with a shared document vs llama-server",
-          (), ("--model", "qwen2.5-coder-0.5b", "--prefix", "1000", "--reps", "3", "--restarts", "3")),
+          (), ("--model", "qwen2.5-coder-0.5b", "--prefix", "1000", "--reps", "4", "--restarts", "4")),
     Bench("kv_quality", "q8_0 against f16 KV", (),
           ("--model", "qwen2.5-coder-0.5b", "--tokens", "512", "--reps", "1")),
     Bench("speculative", "Speculative decoding vs llama-server's speculative modes", (),

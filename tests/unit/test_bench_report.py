@@ -91,3 +91,22 @@ def test_a_report_writes_its_charts_and_the_ceiling_beside_the_concurrency(tmp_p
     assert sorted(path.name for path in (tmp_path / "bench").iterdir()) == ["ceiling.svg", "concurrency.svg"]
     concurrency = (tmp_path / "bench" / "concurrency.svg").read_text()
     assert "ceiling: N rows a step, no drafts" in concurrency and "227.4" in concurrency and "220.5" in concurrency
+
+
+PREFIX = """| prefix tokens | server | case | TTFT s | vs its cold |
+|---|---|---|---|---|
+| 1000 | reame | cold | 3.088 | 1x |
+| 1000 | reame | same process (slot) | 0.108 | 29x |
+| 1000 | reame | new process, disk (page cache) | 0.107 | 29x |
+| 1000 | llama-server | cold | 3.049 | 1x |
+| 1000 | llama-server | warm beside: new process, disk (page cache) | 0.103 | 30x |
+| 1000 | llama-server | same process (slot) | 0.102 | 30x |
+"""
+
+
+def test_the_ttft_chart_sets_each_warm_case_beside_llama_servers_warm_slot_of_the_same_minute():
+    from report import ttft_chart
+    svg = ttft_chart([Result(bench("prefix_cache"), ["bench/prefix_cache.py"], PREFIX, 0, 30.0)])
+    texts = [text.text for text in ElementTree.fromstring(svg).iter("{http://www.w3.org/2000/svg}text")]
+    assert texts.count("108") == 1 and texts.count("102") == 1 and texts.count("107") == 1 and "103" in texts
+    assert any("reame 3.1 s, llama-server 3.0 s" in (text or "") for text in texts)
