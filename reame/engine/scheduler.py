@@ -759,7 +759,9 @@ class Engine:
         """Tokens to verify after the sequence's next one, and their source: as many as its
         controller finds worth it, within the answer's and the context's room and the batch."""
         assert self.speculation is not None
-        if self._drafts_paused:
+        if self._drafts_paused or len(running.generated_tokens) < 2:
+            # Not in the step right after the first token: drafting (a long prompt's lookup index, the
+            # Palimpsest's search) would keep this thread on the GIL while the handler waits to send it.
             return None, []
         room = min(running.max_tokens - len(running.generated_tokens) - 1,
                    self.backend.n_ctx_seq - running.n_fed - 1,

@@ -188,6 +188,8 @@ def test_a_repeated_request_is_drafted_from_its_earlier_answer_even_after_a_rest
     assert first.tokens == plain.tokens and first.finish.usage.accepted_draft_tokens == 0
     again = generate("the same question, again and again: ", palimpsest(tmp_path))  # a new process, say
     assert again.tokens == plain.tokens
-    assert again.finish.usage.accepted_draft_tokens >= 55  # all but the tokens each verification adds
+    # All but the tokens each verification adds, and the second token: nothing is drafted in the step right
+    # after the first token, which goes out meanwhile.
+    assert again.finish.usage.accepted_draft_tokens >= 54
     other = generate("something else entirely, never asked: ", palimpsest(tmp_path))
     assert other.tokens == generate("something else entirely, never asked: ", None).tokens
