@@ -1,6 +1,7 @@
-"""Every command in README.md and docs/*.md (the ```sh blocks) is run: here, verbatim, with the real model
-and the one-file build (or `python -m reame` when dist/reame.pyz was not built), or by the test, CI step or
-benchmark named in ELSEWHERE. A command added to the docs without either fails this test."""
+"""Every command in README.md and docs/*.md (the ```sh blocks) is accounted for: run here verbatim with the
+real model and the one-file build (or `python -m reame` when dist/reame.pyz was not built), or listed in
+ELSEWHERE with what runs it, or, for what needs root on a systemd host or a second machine, with the test
+that checks what it installs or runs. A command added to the docs without either fails this test."""
 
 from __future__ import annotations
 
@@ -22,18 +23,22 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PYZ = ROOT / "dist" / "reame.pyz"
 
-# Commands another test, CI step or benchmark runs (prefix -> where).
+# Commands run elsewhere, or not runnable here (prefix -> what runs or checks them).
 ELSEWHERE = {
-    "python build_zipapp.py": ".ci/run (the README's first command) and tests/unit/test_build_script.py",
+    "python build_zipapp.py": ".ci/run runs the README's (build and run) and --lib; python -m bench all runs "
+                              "--bench-tools; the other flags are a 10-minute compile each: their choices are "
+                              "unit-tested in tests/unit/test_build_script.py, not built here",
     "python -m pip install -e '.[test]' && python -m pytest": ".ci/run (the README's test command)",
     "git clone": ".ci/run works on a clean clone",
     "python bench/": "python -m bench all; their options are checked by test_benchmark_commands_use_real_options",
     "python -m bench": "bench/__main__.py; tests/unit/test_bench_report.py",
-    "sudo ": "tests/compat/test_deploy.py (the unit under systemd-analyze, nginx in front of a live server)",
-    "journalctl ": "tests/compat/test_deploy.py",
-    "echo \"REAME_SERVER_API_KEY=": "tests/compat/test_deploy.py (the environment file the unit reads)",
-    "scp ": "tests/integration/test_aarch64.py runs the pyz on aarch64 (qemu-user)",
-    "ssh ": "tests/integration/test_aarch64.py",
+    "sudo ": "needs root on a systemd host, not run here; tests/compat/test_deploy.py checks what it installs (the "
+             "unit under systemd-analyze verify, nginx with the snippet in front of a live server)",
+    "journalctl ": "needs a systemd host, not run here",
+    "echo \"REAME_SERVER_API_KEY=": "writes the unit's environment file as root, not run here",
+    "scp ": "needs a second machine, not run here; tests/integration/test_aarch64.py runs the pyz on aarch64 "
+            "(qemu-user)",
+    "ssh ": "needs a second machine, not run here; tests/integration/test_aarch64.py runs the same command's pyz",
 }
 
 FILES = {
