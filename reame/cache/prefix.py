@@ -108,10 +108,13 @@ class PrefixCache:
         self._writes: queue.Queue[tuple[str, Snapshot | None] | None] = queue.Queue(WRITE_QUEUE)
         self._engine_idle: threading.Event | None = None  # the engine's: set while nothing decodes
         self._writer: threading.Thread | None = None
+        self._verified_newest = threading.Event()
         if self._disk is not None:
             self._index(self._disk.entries)
             self._writer = threading.Thread(target=self._write_loop, name="reame-cache-writer", daemon=True)
             self._writer.start()
+        else:
+            self._verified_newest.set()
 
     # --- lookups and offers (any thread) ----------------------------------------------
 
@@ -180,6 +183,13 @@ class PrefixCache:
         """The engine's event that is set while it decodes nothing: the disk writer waits for it between
         slices (up to MAX_WRITE_DEFERRAL_S per snapshot), so writes use the gaps between requests."""
         self._engine_idle = engine_idle
+
+    def wait_verified(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until the newest snapshot files found at start, as many as the RAM
+        tier holds, are verified: a server that says it is ready then restores them without checking
+        them on the request's time. False if that took longer (the checks go on; a restore meanwhile
+        checks its own file)."""
+        return self._verified_newest.wait(timeout_s)
 
     def stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -276,6 +286,15 @@ class PrefixCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         except (AttributeError, OSError):
             pass
+        try:
+            for name in self._disk.newest(self.ram_budget_bytes):
+                if not self._disk.verify(name):
+                    with self._lock:
+                        self._forget(name, from_disk=False)
+        except Exception:  # a check that fails leaves the file to be checked when it is restored
+            log.exception("KV snapshot verification failed")
+        finally:
+            self._verified_newest.set()
         while True:
             item = self._writes.get()
             if item is None:

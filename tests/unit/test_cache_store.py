@@ -101,6 +101,61 @@ def test_a_damaged_file_is_dropped_and_counted_never_fatal(tmp_path, damage):
     assert counts["corrupt_dropped"] == 1
 
 
+@pytest.fixture
+def checksums(monkeypatch):
+    """How many crc32s the store computes over a snapshot file's body, counted."""
+    calls = []
+    real = store.zlib.crc32
+
+    def crc32(data, value=0):
+        calls.append(len(data))
+        return real(data, value)
+    monkeypatch.setattr(store.zlib, "crc32", crc32)
+    return calls
+
+
+def test_a_file_is_checksummed_once_per_process_and_not_after_writing_it(tmp_path, checksums):
+    writer = DiskStore(tmp_path, FINGERPRINT, 10 << 20)
+    writer.write("a", snapshot())
+    checksums.clear()
+    assert writer.read("a") == snapshot() and checksums == [], "its writer computed the crc32 itself"
+    reader = DiskStore(tmp_path, FINGERPRINT, 10 << 20)
+    assert reader.verify("a") and len(checksums) == 1
+    assert reader.read("a") == snapshot() and reader.read("a") == snapshot()
+    assert reader.verify("a") and len(checksums) == 1
+
+
+def test_a_file_replaced_after_its_check_is_checked_again(tmp_path):
+    counts = {}
+    disk = DiskStore(tmp_path, FINGERPRINT, 10 << 20, count=lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n))
+    disk.write("a", snapshot())
+    assert disk.verify("a")
+    damaged = bytearray(disk.path("a").read_bytes())
+    damaged[-100] ^= 1
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes(bytes(damaged))
+    replacement.rename(disk.path("a"))  # another inode, as every writer's rename makes
+    assert disk.read("a") is None and counts["corrupt_dropped"] == 1
+    assert not disk.path("a").exists()
+
+
+def test_verify_drops_a_damaged_file_and_lists_the_newest_within_a_budget(tmp_path):
+    disk = DiskStore(tmp_path, FINGERPRINT, 10 << 20)
+    for index, name in enumerate(["old", "middle", "young"]):
+        disk.write(name, snapshot(fill=index))
+        os.utime(disk.path(name), ns=(time.time_ns() - (10 - index) * 10**9,) * 2)
+    one = disk.path("old").stat().st_size
+    assert disk.newest(one * 2) == ["young", "middle"]
+    assert disk.newest(one - 1) == []
+    data = bytearray(disk.path("middle").read_bytes())
+    data[-100] ^= 1
+    disk.path("middle").write_bytes(bytes(data))
+    fresh = DiskStore(tmp_path, FINGERPRINT, 10 << 20)
+    assert fresh.verify("young") and not fresh.verify("middle")
+    assert "middle" not in fresh.entries and not fresh.path("middle").exists()
+    assert not fresh.verify("gone")
+
+
 def test_garbage_and_other_models_files_in_the_directory(tmp_path):
     (tmp_path / "junk.kvs").write_bytes(b"hello")
     other = DiskStore(tmp_path, OTHER, 10 << 20)

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from reame.cache import PrefixCache, Snapshot
+from reame.cache import store
 from reame.cache.prefix import block_keys
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import FakeBackend
@@ -80,6 +81,26 @@ def test_snapshots_survive_in_the_directory_for_a_new_cache(tmp_path):
     assert found == Snapshot(tokens, blob(tokens))
     assert second.stats()["bytes_read"] > 0
     assert cache(tmp_path).stats()["snapshots"] == 1
+
+
+def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_path, monkeypatch):
+    first = cache(tmp_path, compress=False)
+    good, bad = tuple(range(20)), tuple(range(100, 120))
+    first.offer(Snapshot(good, blob(good)))
+    first.offer(Snapshot(bad, blob(bad)))
+    first.close()
+    damaged = next(path for path in tmp_path.glob("*.kvs") if bytes(blob(bad)[:40]) in path.read_bytes())
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 1
+    damaged.write_bytes(bytes(data))
+    second = cache(tmp_path, compress=False)
+    assert second.wait_verified(10)
+    assert not damaged.exists() and second.stats()["corrupt_dropped"] == 1
+    checked = []
+    monkeypatch.setattr(store.zlib, "crc32", lambda *args: checked.append(args) or 0)
+    assert second.lookup(list(good) + [3]) == Snapshot(good, blob(good)) and checked == []
+    assert second.lookup(list(bad) + [3]) is None
+    assert cache().wait_verified(0), "without a disk tier there is nothing to verify"
 
 
 def test_a_snapshot_written_for_another_fingerprint_is_never_found(tmp_path):
