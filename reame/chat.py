@@ -129,7 +129,7 @@ def repl(conversation: Conversation, read_line: Callable[[str], str], out: TextI
 def stream_answer(engine: Engine, prompt: str, params: SamplingParams, out: TextIO,
                   err: TextIO) -> tuple[str, FinishEvent]:
     """Stream one answer to `out`; Ctrl-C cancels it and keeps what was shown."""
-    handle = engine.submit(GenerationRequest(prompt, params))
+    handle = engine.submit(GenerationRequest(prompt, params, streamed=True))
     shown: list[str] = []
     try:
         for event in handle:
@@ -137,6 +137,7 @@ def stream_answer(engine: Engine, prompt: str, params: SamplingParams, out: Text
                 out.write(event.text)
                 out.flush()
                 shown.append(event.text)
+            handle.delivered()
     except KeyboardInterrupt:
         handle.cancel()
         for _ in handle:

@@ -137,6 +137,9 @@ class GenerationRequest:
     session: Session | None = None
     warm: bool = False  # only prefill the prompt into the prefix cache: no token is generated
     suffix: str | None = None  # fill in the middle: the text after the gap; the prompt is the text before it
+    # The caller sends tokens on as they come and calls `Handle.delivered()` once it has: the engine waits
+    # for that (briefly) before the step after the first token, so writing it does not compete with that step.
+    streamed: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -234,10 +237,16 @@ class Handle:
         self.finish: FinishEvent | None = None
         self.submitted_at = time.monotonic()
         self.snapshot: Snapshot | None = None  # from the prefix cache, found at submission
+        self.first_delivered = threading.Event()  # see GenerationRequest.streamed
 
     def cancel(self) -> None:
         """Stop the generation at the engine's next step and free its KV."""
         self.cancelled = True
+        self.first_delivered.set()
+
+    def delivered(self) -> None:
+        """The caller has sent on the tokens it got so far (a streamed request's first one matters)."""
+        self.first_delivered.set()
 
     def _put(self, event: Event) -> None:  # engine thread only
         if self._sink is not None:

@@ -87,6 +87,9 @@ class StoredAnswer:
     def cancel(self) -> None:
         pass
 
+    def delivered(self) -> None:
+        pass
+
 
 class AnswerTap:
     """A request's event queue, read by the handler as usual, that hands the whole answer to `keep` when

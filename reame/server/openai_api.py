@@ -438,7 +438,8 @@ class App:
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
             base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
-            requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix)
+            requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix,
+                                          streamed=stream)
                         for prompt_index, prompt in enumerate(prompts)
                         for params in self.attempt_params(base, seed, prompt_index, n, elect_among)]
             # One deterministic answer (greedy, or an explicit seed) may already be in the shared store.
@@ -604,6 +605,7 @@ class App:
                     elif event.text:  # held-back tokens' logprobs ride along with the next chunk
                         handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
                         choice.tokens = []
+                    handles[tag].delivered()
                     continue
                 choice.finish = event
                 remaining -= 1

@@ -385,3 +385,36 @@ def test_the_sequence_beyond_its_reservation_is_the_one_that_ends():
         engine.close()
     assert len(polite_result.tokens) == 40 and polite_result.finish.message == ""
     assert runaway_result.finish.message == "the context is full"
+
+
+def test_a_streamed_first_token_is_sent_before_the_next_step_takes_the_cores():
+    backend = FakeBackend(n_ctx=512)
+    sent = threading.Event()
+    sent_before_each_decode: list[bool] = []
+    decode = backend.decode
+
+    def watched(tokens, positions, seq_ids, outputs):
+        sent_before_each_decode.append(sent.is_set())
+        return decode(tokens, positions, seq_ids, outputs)
+    backend.decode = watched
+    with Engine(backend, first_token_handoff_s=60) as engine:
+        handle = engine.submit(GenerationRequest("hello there", SamplingParams(temperature=0, max_tokens=3),
+                                                 streamed=True))
+        for event in handle:
+            if isinstance(event, TokenEvent):
+                sent.set()  # the caller has written the token out
+            handle.delivered()
+    assert sent_before_each_decode == [False, True, True]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_engine_goes_on_without_a_delivery_it_was_not_promised_or_from_a_cancelled_request(streamed):
+    with Engine(FakeBackend(n_ctx=512), first_token_handoff_s=600) as engine:
+        handle = engine.submit(GenerationRequest("hello there", SamplingParams(temperature=0, max_tokens=4),
+                                                 streamed=streamed))
+        if streamed:
+            next(iter(handle))
+            handle.cancel()  # a client that went away delivers nothing
+        assert handle.result(timeout_s=30).finish.reason == ("cancelled" if streamed else "length")
+        assert engine.generate(GenerationRequest("next one", SamplingParams(temperature=0, max_tokens=2)),
+                               timeout_s=30).text
