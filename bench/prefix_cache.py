@@ -22,7 +22,9 @@ greedy, TTFT = request sent to first token). One server computes at a time:
 
 llama-server stays up throughout, and every warm Reame request is paired with a
 warm llama-server request asked just before or after it (one computing at a
-time): each ratio compares requests made in the same minute. Each server goes
+time): each ratio compares requests made in the same minute, and the ratio
+printed is the median of the pairs' ratios, their range beside it (on a noisy
+host one step costs up to a fifth more or less than the next). Each server goes
 first in half of the pairs: the second request of a pair runs ~5% slower here,
 in the wake of the first (its threads still spinning, caches cold).
 Every warm request prefills the same number of tokens (QUESTIONS): the row count
@@ -169,18 +171,20 @@ def exact_document(port: int, n_tokens: int) -> str:
 
 
 def measure(path: str, args: argparse.Namespace, document: str, work: Path
-            ) -> tuple[dict[str, float], dict[str, float], dict[str, bool]]:
-    """TTFTs of every case for Reame and llama-server, and whether each one's warm greedy answer was its
-    cold one. llama-server stays up throughout: every warm Reame case is paired with llama-server's warm
-    same process asked in the same minute (in turn, one computing at a time), so each ratio compares
-    requests made under the same machine mood. Every warm request prefills the same number of tokens
-    (QUESTIONS)."""
+            ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], dict[str, bool]]:
+    """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios (sorted), and
+    whether each one's warm greedy answer was its cold one. llama-server stays up throughout: every warm
+    Reame case is paired with llama-server's warm same process asked in the same minute (in turn, one
+    computing at a time), so each ratio compares requests made under the same machine mood; the median of
+    the pairs' ratios is the figure, since a step's cost drifts by a fifth from one minute to the next on
+    a noisy host. Every warm request prefills the same number of tokens (QUESTIONS)."""
     cache_dir, slot_dir = work / "kv", work / "slots"
     shutil.rmtree(cache_dir, ignore_errors=True)
     slot_dir.mkdir(exist_ok=True)
     reame: dict[str, float] = {}
     llama: dict[str, float] = {}
     pairs: dict[str, list[tuple[float, float]]] = {}  # case -> (reame, llama-server warm) asked in turn
+    ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server, sorted
     answers: dict[str, str] = {}
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
@@ -220,6 +224,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     for case, measured in pairs.items():
         reame[case] = statistics.median(mine for mine, _ in measured)
         llama[f"warm beside: {case}"] = statistics.median(peer for _, peer in measured)
+        ratios[case] = sorted(mine / peer for mine, peer in measured)
     llama["same process (slot)"] = llama.pop("warm beside: same process (slot)")
     with llama_server(path, args, slot_dir) as server:
         started = time.perf_counter()
@@ -227,7 +232,8 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
         restore_s = time.perf_counter() - started
         llama["new process, slot restore"] = restore_s + first_token_s(server.port,
                                                                        document + question(next(questions)))
-    return reame, llama, same
+    ratios["cold"] = [reame["cold"] / llama["cold"]]
+    return reame, llama, ratios, same
 
 
 def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> list[str]:
@@ -290,9 +296,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, nargs="+", default=[2000, 3900])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=6, help="warm same-process requests per server, in turn "
+    parser.add_argument("--reps", type=int, default=12, help="warm same-process requests per server, in turn "
                         "(rounded up to even)")
-    parser.add_argument("--restarts", type=int, default=6, help="new Reame processes asked once each from disk "
+    parser.add_argument("--restarts", type=int, default=8, help="new Reame processes asked once each from disk "
                         "(rounded up to even)")
     args = parser.parse_args()
     path = str(model_path(args.model))
@@ -302,23 +308,22 @@ def main() -> None:
             documents = {n: exact_document(server.port, n) for n in args.prefix}
         rows = []
         for n, document in documents.items():
-            reame_times, llama_times, same = measure(path, args, document, work)
+            reame_times, llama_times, ratios, same = measure(path, args, document, work)
             # Each Reame case against llama-server's: cold against cold, every warm case against its warm
-            # same process (its best in one process).
-            peer = {name: llama_times["cold" if name == "cold" else
-                                      "same process (slot)" if name == "same process (slot)" else
-                                      f"warm beside: {name}"] for name in reame_times}
+            # same process (its best in one process) asked beside it.
             for server, times in (("reame", reame_times), ("llama-server", llama_times)):
                 for name, seconds in times.items():
-                    against = f"{seconds / peer[name]:.2f}" if server == "reame" else ""
+                    mine = ratios[name] if server == "reame" else []
                     rows.append([str(n), server, name, f"{seconds:.3f}", f"{times['cold'] / seconds:.0f}x",
-                                 against, "yes" if same[server] else "NO"])
+                                 f"{statistics.median(mine):.2f}" if mine else "",
+                                 f"{mine[0]:.2f}-{mine[-1]:.2f}" if len(mine) > 1 else "",
+                                 "yes" if same[server] else "NO"])
         trace = trace_warm_request(path, args, documents[args.prefix[-1]])
         sizes = {kv: bytes_per_token(path, args, documents[args.prefix[0]], args.prefix[0], work, kv)
                  for kv in ("f16", "q8_0")}
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads\n")
     print_table(["prefix tokens", "server", "case", "TTFT s", "vs its cold", "reame / llama-server",
-                 "same answer warm"], rows)
+                 "pairs' range", "same answer warm"], rows)
     print(f"\nOne warm request in this process ({args.prefix[-1]}-token document, a new question):")
     for line in trace:
         print(f"- {line}")
