@@ -74,9 +74,9 @@ def machine() -> str:
     return f"{cpu}, {usable_cores()} usable cores, {platform.machine()}"
 
 
-def summary(values: list[float]) -> str:
+def summary(values: list[float], digits: int = 1) -> str:
     """Median and spread (min–max) of repeated measurements."""
-    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:

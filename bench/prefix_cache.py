@@ -23,7 +23,7 @@ greedy, TTFT = request sent to first token). One server computes at a time:
 llama-server stays up throughout, and every warm Reame request is paired with a
 warm llama-server request asked just before or after it (one computing at a
 time): each ratio compares requests made in the same minute, and the ratio
-printed is the median of the pairs' ratios, their range beside it (on a noisy
+printed is the median of the pairs' ratios, their range after it (on a noisy
 host one step costs up to a fifth more or less than the next). Each server goes
 first in half of the pairs: the second request of a pair runs ~5% slower here,
 in the wake of the first (its threads still spinning, caches cold).
@@ -54,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, machine, model_path, print_table, server_command
+from common import ROOT, machine, model_path, print_table, server_command, summary
 from server import free_port, wait_ready
 
 from reame.native import LLAMA_COMMIT
@@ -172,7 +172,7 @@ def exact_document(port: int, n_tokens: int) -> str:
 
 def measure(path: str, args: argparse.Namespace, document: str, work: Path
             ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], dict[str, bool]]:
-    """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios (sorted), and
+    """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios, and
     whether each one's warm greedy answer was its cold one. llama-server stays up throughout: every warm
     Reame case is paired with llama-server's warm same process asked in the same minute (in turn, one
     computing at a time), so each ratio compares requests made under the same machine mood; the median of
@@ -184,7 +184,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     reame: dict[str, float] = {}
     llama: dict[str, float] = {}
     pairs: dict[str, list[tuple[float, float]]] = {}  # case -> (reame, llama-server warm) asked in turn
-    ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server, sorted
+    ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server
     answers: dict[str, str] = {}
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
@@ -224,7 +224,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     for case, measured in pairs.items():
         reame[case] = statistics.median(mine for mine, _ in measured)
         llama[f"warm beside: {case}"] = statistics.median(peer for _, peer in measured)
-        ratios[case] = sorted(mine / peer for mine, peer in measured)
+        ratios[case] = [mine / peer for mine, peer in measured]
     llama["same process (slot)"] = llama.pop("warm beside: same process (slot)")
     with llama_server(path, args, slot_dir) as server:
         started = time.perf_counter()
@@ -234,6 +234,11 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
                                                                        document + question(next(questions)))
     ratios["cold"] = [reame["cold"] / llama["cold"]]
     return reame, llama, ratios, same
+
+
+def against_peer(ratios: list[float]) -> str:
+    """The ratio column: a lone ratio (cold) as it is, paired cases as the median and range of their pairs."""
+    return summary(ratios, digits=2) if len(ratios) > 1 else f"{ratios[0]:.2f}"
 
 
 def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> list[str]:
@@ -313,17 +318,15 @@ def main() -> None:
             # same process (its best in one process) asked beside it.
             for server, times in (("reame", reame_times), ("llama-server", llama_times)):
                 for name, seconds in times.items():
-                    mine = ratios[name] if server == "reame" else []
                     rows.append([str(n), server, name, f"{seconds:.3f}", f"{times['cold'] / seconds:.0f}x",
-                                 f"{statistics.median(mine):.2f}" if mine else "",
-                                 f"{mine[0]:.2f}-{mine[-1]:.2f}" if len(mine) > 1 else "",
+                                 against_peer(ratios[name]) if server == "reame" else "",
                                  "yes" if same[server] else "NO"])
         trace = trace_warm_request(path, args, documents[args.prefix[-1]])
         sizes = {kv: bytes_per_token(path, args, documents[args.prefix[0]], args.prefix[0], work, kv)
                  for kv in ("f16", "q8_0")}
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads\n")
     print_table(["prefix tokens", "server", "case", "TTFT s", "vs its cold", "reame / llama-server",
-                 "pairs' range", "same answer warm"], rows)
+                 "same answer warm"], rows)
     print(f"\nOne warm request in this process ({args.prefix[-1]}-token document, a new question):")
     for line in trace:
         print(f"- {line}")
