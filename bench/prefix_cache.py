@@ -8,25 +8,28 @@ For each prefix length a document of exactly that many tokens is followed by
 a different short question in every request (streamed /v1/completions,
 greedy, TTFT = request sent to first token). One server computes at a time:
 
-- reame: cold (empty cache directory); the same process again (its slot
-  still holds the document; `--reps` times); from the RAM tier (after an
-  unrelated request took the slot; twice); a new process on the same directory
-  (disk tier; the file is in the OS page cache, as on a server that wrote it
-  recently; `--restarts` new processes, one request each, the median); and,
+- reame: cold (`--cold-pairs` requests; every one but the last starts with
+  its own line, "Run k.", so neither server has any of it cached, and the
+  last is the plain document the warm cases restore); the same process again
+  (its slot still holds the document; `--reps` times); from the RAM tier
+  (after an unrelated request took the slot; twice); a new process on the
+  same directory (disk tier; the file is in the OS page cache, as on a server
+  that wrote it recently; `--restarts` new processes, one request each); and,
   when this host lets us drop the page cache, two new processes reading the
   disk cold.
-- llama-server (same pinned build, model, threads, context): cold; the same
-  process again (cache_prompt); a new process after `/slots/0?action=save`,
-  restoring with `?action=restore` first (its best equivalent across a
-  restart; the restore time is counted in its TTFT).
+- llama-server (same pinned build, model, threads, context): cold (the same
+  prompts); the same process again (cache_prompt); a new process after
+  `/slots/0?action=save`, restoring with `?action=restore` first (its best
+  equivalent across a restart; the restore time is counted in its TTFT).
 
-llama-server stays up throughout, and every warm Reame request is paired with a
-warm llama-server request asked just before or after it (one computing at a
-time): each ratio compares requests made in the same minute, and the ratio
-printed is the median of the pairs' ratios, their range after it (on a noisy
-host one step costs up to a fifth more or less than the next). Each server goes
-first in half of the pairs: the second request of a pair runs ~5% slower here,
-in the wake of the first (its threads still spinning, caches cold).
+llama-server stays up throughout, and every Reame request is paired with a
+llama-server request asked just before or after it, one computing at a time
+(cold with its cold one on the same prompt, warm with its warm same process):
+each ratio compares requests made in the same minute, and the ratio printed is
+the median of the pairs' ratios, their range after it (on a noisy host one step
+costs up to a fifth more or less than the next). Each server goes first in half
+of the pairs: the second request of a pair runs ~5% slower here, in the wake of
+the first (its threads still spinning, caches cold).
 Every warm request prefills the same number of tokens (QUESTIONS): the row count
 of a step moves its cost by up to a third on Q4_K_M files here.
 
@@ -173,8 +176,9 @@ def exact_document(port: int, n_tokens: int) -> str:
 def measure(path: str, args: argparse.Namespace, document: str, work: Path
             ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], dict[str, bool]]:
     """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios, and
-    whether each one's warm greedy answer was its cold one. llama-server stays up throughout: every warm
-    Reame case is paired with llama-server's warm same process asked in the same minute (in turn, one
+    whether each one's warm greedy answer was its cold one. llama-server stays up throughout: every cold
+    Reame request is paired with a cold llama-server request, every warm one with llama-server's warm same
+    process, asked in the same minute (in turn, one
     computing at a time), so each ratio compares requests made under the same machine mood; the median of
     the pairs' ratios is the figure, since a step's cost drifts by a fifth from one minute to the next on
     a noisy host. Every warm request prefills the same number of tokens (QUESTIONS)."""
@@ -185,7 +189,6 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     llama: dict[str, float] = {}
     pairs: dict[str, list[tuple[float, float]]] = {}  # case -> (reame, llama-server warm) asked in turn
     ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server
-    answers: dict[str, str] = {}
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
     with llama_server(path, args, slot_dir) as theirs:
@@ -202,9 +205,14 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
             pairs.setdefault(case, []).append(pair)
 
         with reame_server(path, args, cache_dir) as ours:
-            for name, server in (("reame", ours), ("llama-server", theirs)):
-                times = reame if name == "reame" else llama
-                times["cold"], answers[name] = first_token(server.port, document + question(1))
+            for rep in reversed(range(even(args.cold_pairs))):
+                # Each earlier pair's document starts with its own line, so neither server has any of it yet;
+                # the last pair's is the plain document, the one every warm case then restores.
+                prompt = (f"Run {rep}.\n" if rep else "") + document + question(1)
+                asked = [("reame", ours), ("llama-server", theirs)][::1 if rep % 2 else -1]
+                cold = {name: first_token(server.port, prompt) for name, server in asked}
+                pairs.setdefault("cold", []).append((cold["reame"][0], cold["llama-server"][0]))
+            answers = {name: text for name, (_, text) in cold.items()}
             for rep in range(even(args.reps)):
                 paired("same process (slot)", ours, rep)
             same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
@@ -223,22 +231,16 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
         post(theirs.port, "/slots/0?action=save", {"filename": "document.bin"})
     for case, measured in pairs.items():
         reame[case] = statistics.median(mine for mine, _ in measured)
-        llama[f"warm beside: {case}"] = statistics.median(peer for _, peer in measured)
+        peer_case = case if case in ("cold", "same process (slot)") else f"warm beside: {case}"
+        llama[peer_case] = statistics.median(peer for _, peer in measured)
         ratios[case] = [mine / peer for mine, peer in measured]
-    llama["same process (slot)"] = llama.pop("warm beside: same process (slot)")
     with llama_server(path, args, slot_dir) as server:
         started = time.perf_counter()
         post(server.port, "/slots/0?action=restore", {"filename": "document.bin"})
         restore_s = time.perf_counter() - started
         llama["new process, slot restore"] = restore_s + first_token_s(server.port,
                                                                        document + question(next(questions)))
-    ratios["cold"] = [reame["cold"] / llama["cold"]]
     return reame, llama, ratios, same
-
-
-def against_peer(ratios: list[float]) -> str:
-    """The ratio column: a lone ratio (cold) as it is, paired cases as the median and range of their pairs."""
-    return summary(ratios, digits=2) if len(ratios) > 1 else f"{ratios[0]:.2f}"
 
 
 def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> list[str]:
@@ -303,6 +305,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=12, help="warm same-process requests per server, in turn "
                         "(rounded up to even)")
+    parser.add_argument("--cold-pairs", type=int, default=4, help="cold requests per server, in turn "
+                        "(rounded up to even)")
     parser.add_argument("--restarts", type=int, default=8, help="new Reame processes asked once each from disk "
                         "(rounded up to even)")
     args = parser.parse_args()
@@ -319,7 +323,7 @@ def main() -> None:
             for server, times in (("reame", reame_times), ("llama-server", llama_times)):
                 for name, seconds in times.items():
                     rows.append([str(n), server, name, f"{seconds:.3f}", f"{times['cold'] / seconds:.0f}x",
-                                 against_peer(ratios[name]) if server == "reame" else "",
+                                 summary(ratios[name], digits=2) if server == "reame" else "",
                                  "yes" if same[server] else "NO"])
         trace = trace_warm_request(path, args, documents[args.prefix[-1]])
         sizes = {kv: bytes_per_token(path, args, documents[args.prefix[0]], args.prefix[0], work, kv)
