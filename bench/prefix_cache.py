@@ -310,6 +310,10 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=8, help="new Reame processes asked once each from disk "
                         "(rounded up to even)")
     args = parser.parse_args()
+    asked = 2 * (even(args.reps) + 2 + even(args.restarts) + 2) + 1  # warm questions one prefix length draws
+    if asked > len(QUESTIONS):
+        parser.error(f"--reps {args.reps} and --restarts {args.restarts} need {asked} distinct warm questions; "
+                     f"there are {len(QUESTIONS)} of the same length (--reps and --restarts at most 34 together)")
     path = str(model_path(args.model))
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as scratch:
         work = Path(scratch)
