@@ -82,6 +82,8 @@ def question(k: int) -> str:
 # "Question " with it and prefills the same number of tokens: one row more or less moves a step's cost
 # by up to a third at 16 rows on Q4_K_M files here.
 QUESTIONS = [10 * (2 + i % 8) + (i // 8) % 10 for i in range(80)]
+RAM_TIER_PAIRS = 2  # warm pairs from the RAM tier, each after an unrelated request took the slot
+COLD_READ_PAIRS = 2  # new processes reading the disk after the page cache is dropped
 
 
 def post(port: int, path: str, body: dict, timeout_s: float = 600) -> dict:
@@ -175,13 +177,12 @@ def exact_document(port: int, n_tokens: int) -> str:
 
 def measure(path: str, args: argparse.Namespace, document: str, work: Path
             ) -> tuple[dict[str, float], dict[str, float], dict[str, list[float]], dict[str, bool]]:
-    """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios, and
-    whether each one's warm greedy answer was its cold one. llama-server stays up throughout: every cold
-    Reame request is paired with a cold llama-server request, every warm one with llama-server's warm same
-    process, asked in the same minute (in turn, one
-    computing at a time), so each ratio compares requests made under the same machine mood; the median of
-    the pairs' ratios is the figure, since a step's cost drifts by a fifth from one minute to the next on
-    a noisy host. Every warm request prefills the same number of tokens (QUESTIONS)."""
+    """TTFTs of every case for Reame and llama-server (medians), each case's pair ratios, and whether each
+    one's warm greedy answer was its cold one. llama-server stays up throughout: every cold Reame request is
+    paired with a cold llama-server request, every warm one with llama-server's warm same process, asked in the
+    same minute (in turn, one computing at a time), so each ratio compares requests made under the same machine
+    mood; the median of the pairs' ratios is the figure, since a step's cost drifts by a fifth from one minute
+    to the next on a noisy host. Every warm request prefills the same number of tokens (QUESTIONS)."""
     cache_dir, slot_dir = work / "kv", work / "slots"
     shutil.rmtree(cache_dir, ignore_errors=True)
     slot_dir.mkdir(exist_ok=True)
@@ -192,31 +193,27 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
     with llama_server(path, args, slot_dir) as theirs:
-        def paired(case: str, ours: Server, rep: int) -> None:
-            """One Reame and one llama-server warm request in turn; each goes first on alternate reps (the
-            second of a pair runs ~5% slower here, in the first one's wake), so every case has an even count."""
-            mine, peer = next(questions), next(questions)
-            if rep % 2:
-                pair = (first_token_s(ours.port, document + question(mine)),
-                        first_token_s(theirs.port, document + question(peer)))
-            else:
-                peer_s = first_token_s(theirs.port, document + question(peer))
-                pair = (first_token_s(ours.port, document + question(mine)), peer_s)
-            pairs.setdefault(case, []).append(pair)
+        def paired(case: str, ours: Server, rep: int, prompts: dict[str, str] | None = None) -> dict[str, str]:
+            """One Reame and one llama-server request in turn (by default each a new warm question); each goes
+            first on alternate reps (the second of a pair runs ~5% slower here, in the first one's wake), so every
+            case has an even count. Returns each server's answer."""
+            if prompts is None:
+                prompts = {name: document + question(next(questions)) for name in ("reame", "llama-server")}
+            asked = [("reame", ours), ("llama-server", theirs)][::1 if rep % 2 else -1]
+            answered = {name: first_token(server.port, prompts[name]) for name, server in asked}
+            pairs.setdefault(case, []).append((answered["reame"][0], answered["llama-server"][0]))
+            return {name: text for name, (_, text) in answered.items()}
 
         with reame_server(path, args, cache_dir) as ours:
             for rep in reversed(range(even(args.cold_pairs))):
                 # Each earlier pair's document starts with its own line, so neither server has any of it yet;
                 # the last pair's is the plain document, the one every warm case then restores.
                 prompt = (f"Run {rep}.\n" if rep else "") + document + question(1)
-                asked = [("reame", ours), ("llama-server", theirs)][::1 if rep % 2 else -1]
-                cold = {name: first_token(server.port, prompt) for name, server in asked}
-                pairs.setdefault("cold", []).append((cold["reame"][0], cold["llama-server"][0]))
-            answers = {name: text for name, (_, text) in cold.items()}
+                answers = paired("cold", ours, rep, {"reame": prompt, "llama-server": prompt})
             for rep in range(even(args.reps)):
                 paired("same process (slot)", ours, rep)
             same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
-            for rep in range(2):
+            for rep in range(RAM_TIER_PAIRS):
                 first_token_s(ours.port, "An unrelated request that takes the only slot.")
                 paired("RAM tier", ours, rep)
         for restart in range(even(args.restarts)):  # one request per new process, each paired
@@ -224,7 +221,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
                 paired("new process, disk (page cache)", ours, restart)
                 if restart == 0:
                     same["reame"] = first_token(ours.port, document + question(1))[1] == answers["reame"]
-        for rep in range(2 if drop_page_cache() else 0):
+        for rep in range(COLD_READ_PAIRS if drop_page_cache() else 0):
             with reame_server(path, args, cache_dir) as ours:
                 drop_page_cache()
                 paired("new process, disk (cold read)", ours, rep)
@@ -310,10 +307,11 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=8, help="new Reame processes asked once each from disk "
                         "(rounded up to even)")
     args = parser.parse_args()
-    asked = 2 * (even(args.reps) + 2 + even(args.restarts) + 2) + 1  # warm questions one prefix length draws
+    # Warm questions one prefix length draws: two per pair, one for llama-server's restore.
+    asked = 2 * (even(args.reps) + RAM_TIER_PAIRS + even(args.restarts) + COLD_READ_PAIRS) + 1
     if asked > len(QUESTIONS):
         parser.error(f"--reps {args.reps} and --restarts {args.restarts} need {asked} distinct warm questions; "
-                     f"there are {len(QUESTIONS)} of the same length (--reps and --restarts at most 34 together)")
+                     f"there are {len(QUESTIONS)} of the same length")
     path = str(model_path(args.model))
     with tempfile.TemporaryDirectory(prefix="reame-bench-") as scratch:
         work = Path(scratch)
