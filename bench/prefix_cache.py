@@ -72,16 +72,17 @@ def document_text(n_words: int) -> str:
                    for i in range(n_words // 25 + 1))
 
 
-def question(k: int) -> str:
-    return f"\n\nQuestion {k}: which service has the highest latency in section {k}?\nAnswer:"
+def question(number: int, section: int) -> str:
+    return f"\n\nQuestion {number}: which service has the highest latency in section {section}?\nAnswer:"
 
 
-# The warm questions: two-digit numbers whose first digit is never 1 (the cold question's) nor the
-# previous question's of the same server (they are drawn in pairs, one per server), so every warm
-# request, whatever it restores (its slot, the RAM tier, the disk), shares exactly the document and
-# "Question " with it and prefills the same number of tokens: one row more or less moves a step's cost
-# by up to a third at 16 rows on Q4_K_M files here.
-QUESTIONS = [10 * (2 + i % 8) + (i // 8) % 10 for i in range(80)]
+COLD_QUESTION = (1, 10)
+# The warm questions: (number, section), both two-digit, the number's first digit never 1 (the cold
+# question's) nor the previous question's of the same server (they are drawn in pairs, one per server),
+# so every warm request, whatever it restores (its slot, the RAM tier, the disk), shares exactly the
+# document and "Question " with it and prefills the same number of tokens: one row more or less moves a
+# step's cost by up to a third at 16 rows on Q4_K_M files here. 80 numbers × 8 sections, all distinct.
+QUESTIONS = [(10 * (2 + i % 8) + (i // 8) % 10, 20 + 10 * (i // 80)) for i in range(640)]
 RAM_TIER_PAIRS = 2  # warm pairs from the RAM tier, each after an unrelated request took the slot
 COLD_READ_PAIRS = 2  # new processes reading the disk after the page cache is dropped
 
@@ -192,13 +193,14 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
+    cold_prompt = document + question(*COLD_QUESTION)
     with llama_server(path, args, slot_dir) as theirs:
         def paired(case: str, ours: Server, rep: int, prompts: dict[str, str] | None = None) -> dict[str, str]:
             """One Reame and one llama-server request in turn (by default each a new warm question); each goes
             first on alternate reps (the second of a pair runs ~5% slower here, in the first one's wake), so every
             case has an even count. Returns each server's answer."""
             if prompts is None:
-                prompts = {name: document + question(next(questions)) for name in ("reame", "llama-server")}
+                prompts = {name: document + question(*next(questions)) for name in ("reame", "llama-server")}
             asked = [("reame", ours), ("llama-server", theirs)][::1 if rep % 2 else -1]
             answered = {name: first_token(server.port, prompts[name]) for name, server in asked}
             pairs.setdefault(case, []).append((answered["reame"][0], answered["llama-server"][0]))
@@ -208,11 +210,11 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
             for rep in reversed(range(even(args.cold_pairs))):
                 # Each earlier pair's document starts with its own line, so neither server has any of it yet;
                 # the last pair's is the plain document, the one every warm case then restores.
-                prompt = (f"Run {rep}.\n" if rep else "") + document + question(1)
+                prompt = (f"Run {rep}.\n" if rep else "") + cold_prompt
                 answers = paired("cold", ours, rep, {"reame": prompt, "llama-server": prompt})
             for rep in range(even(args.reps)):
                 paired("same process (slot)", ours, rep)
-            same["llama-server"] = first_token(theirs.port, document + question(1))[1] == answers["llama-server"]
+            same["llama-server"] = first_token(theirs.port, cold_prompt)[1] == answers["llama-server"]
             for rep in range(RAM_TIER_PAIRS):
                 first_token_s(ours.port, "An unrelated request that takes the only slot.")
                 paired("RAM tier", ours, rep)
@@ -220,7 +222,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
             with reame_server(path, args, cache_dir) as ours:
                 paired("new process, disk (page cache)", ours, restart)
                 if restart == 0:
-                    same["reame"] = first_token(ours.port, document + question(1))[1] == answers["reame"]
+                    same["reame"] = first_token(ours.port, cold_prompt)[1] == answers["reame"]
         for rep in range(COLD_READ_PAIRS if drop_page_cache() else 0):
             with reame_server(path, args, cache_dir) as ours:
                 drop_page_cache()
@@ -236,7 +238,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
         post(server.port, "/slots/0?action=restore", {"filename": "document.bin"})
         restore_s = time.perf_counter() - started
         llama["new process, slot restore"] = restore_s + first_token_s(server.port,
-                                                                       document + question(next(questions)))
+                                                                       document + question(*next(questions)))
     return reame, llama, ratios, same
 
 
@@ -261,10 +263,10 @@ def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> li
     params = SamplingParams(temperature=0, max_tokens=1)
     try:
         with Engine(backend) as engine:
-            engine.generate(GenerationRequest(document + question(1), params))
+            engine.generate(GenerationRequest(document + question(*COLD_QUESTION), params))
             steps.clear()
             started = time.perf_counter()
-            handle = engine.submit(GenerationRequest(document + question(QUESTIONS[0]), params))
+            handle = engine.submit(GenerationRequest(document + question(*QUESTIONS[0]), params))
             submitted = time.perf_counter()
             next(handle.events())
             first = time.perf_counter()
@@ -300,7 +302,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, nargs="+", default=[2000, 3900])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=12, help="warm same-process requests per server, in turn "
+    parser.add_argument("--reps", type=int, default=40, help="warm same-process requests per server, in turn "
                         "(rounded up to even)")
     parser.add_argument("--cold-pairs", type=int, default=4, help="cold requests per server, in turn "
                         "(rounded up to even)")
