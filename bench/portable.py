@@ -50,7 +50,8 @@ def main() -> None:
     builds = {"native": native.build_dir(portable=False) / "lib", "portable": native.build_dir(portable=True) / "lib"}
     for name, directory in builds.items():
         if not directory.exists():
-            sys.exit(f"no {name} build at {directory}: python build_zipapp.py --lib{' --portable' * (name == 'portable')}")
+            flag = " --portable" if name == "portable" else ""
+            sys.exit(f"no {name} build at {directory}: python build_zipapp.py --lib{flag}")
     print(f"machine: {machine()} · reps {args.reps}, ABBA, one process per measurement\n")
     rows = []
     for name in args.model or ["smollm2-135m", "qwen2.5-coder-1.5b"]:

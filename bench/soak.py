@@ -218,7 +218,8 @@ def main() -> int:
     print_table(["outcome", "count"], [[name, str(count)] for name, count in sorted(tally.counts.items())])
     print(f"\nlatency of completed answers: p50 {p50:.0f} ms, p95 {p95:.0f} ms")
     print(f"threads {baseline[0]} -> {after[0]}, open files {baseline[1]} -> {after[1]}, "
-          f"RSS {baseline[2]:.0f} -> {after[2]:.0f} MiB, KV cells recorded {recorded:.0f} / in memory {in_memory:.0f}\n")
+          f"RSS {baseline[2]:.0f} -> {after[2]:.0f} MiB, "
+          f"KV cells recorded {recorded:.0f} / in memory {in_memory:.0f}\n")
     print_table(["check", "holds"], [[name, "yes" if held else "NO"] for name, held in checks.items()])
     for failure in tally.failures[:10]:
         print(f"  failure: {failure}")

@@ -30,7 +30,8 @@ def default_root() -> Path:
 
 def apt_mirror() -> tuple[str, str]:
     """(repository URI, suite) of the Debian release this machine runs, as apt is configured."""
-    codename = next((line.split("=", 1)[1].strip().strip('"') for line in Path("/etc/os-release").read_text().splitlines()
+    release = Path("/etc/os-release").read_text().splitlines()
+    codename = next((line.split("=", 1)[1].strip().strip('"') for line in release
                      if line.startswith("VERSION_CODENAME=")), "")
     targets = subprocess.run(["apt-get", "indextargets", "--format", "$(REPO_URI) $(RELEASE)"], capture_output=True,
                              text=True, check=True).stdout.split("\n")

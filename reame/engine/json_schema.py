@@ -185,7 +185,8 @@ class _Converter:
         def node(prefix: str) -> str:
             return f"{hint}-key-{prefixes.index(prefix)}"
         for prefix in prefixes:
-            children = sorted({name[len(prefix)] for name in names if name.startswith(prefix) and len(name) > len(prefix)})
+            longer = [name for name in names if name.startswith(prefix) and len(name) > len(prefix)]
+            children = sorted({name[len(prefix)] for name in longer})
             options = [] if prefix in names else ['"\\""']
             options += [f"{literal(child)} {node(prefix + child)}" for child in children]
             excluded = "".join(_class_char(child) for child in children)

@@ -8,7 +8,8 @@ from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from .conftest import settings_for
 from .test_cli_real import reame
 
-REWRITE = """Rewrite the following code, renaming the variable `total` to `sum_of_values` everywhere, and change nothing else:
+REWRITE = ("Rewrite the following code, renaming the variable `total` to `sum_of_values` everywhere, "
+           """and change nothing else:
 
 def average(values):
     total = 0
@@ -19,7 +20,7 @@ def average(values):
     if count == 0:
         return 0
     return total / count
-"""
+""")
 
 
 def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,)):

@@ -63,7 +63,8 @@ def run_isolated(python: str, pyz: Path, tmp_path: Path, *args: str) -> subproce
 
 
 def test_the_pyz_alone_answers_a_prompt_under_each_python(pyz, python, tmp_path, smollm2_path):
-    result = run_isolated(python, pyz, tmp_path, "run", str(smollm2_path), "What is the capital of France? Answer in one word.",
+    result = run_isolated(python, pyz, tmp_path, "run", str(smollm2_path),
+                          "What is the capital of France? Answer in one word.",
                           "--temp", "0", "--max-tokens", "16", "-q")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

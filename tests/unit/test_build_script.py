@@ -74,7 +74,8 @@ def test_a_wheel_with_the_wrong_checksum_is_removed_and_not_used(tmp_path, monke
     tampered.write_bytes(b"tampered")
     assert wheel.cached() is None
     assert not tampered.exists()
-    monkeypatch.setattr(build_zipapp.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: x"))
+    monkeypatch.setattr(build_zipapp.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ERROR: x"))
     with pytest.raises(build_zipapp.BuildError, match="cannot download zstandard==0.25.0 for CPython 3.12 on x86_64"):
         wheel.fetch()
 

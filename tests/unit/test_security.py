@@ -77,8 +77,8 @@ def test_what_one_request_may_ask_for_is_capped(guarded, body, code):
 
 
 def test_a_huge_max_tokens_is_clamped_to_the_context(guarded):
-    status, answer = guarded.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12,
-                                                              "ignore_eos": True}, {"Authorization": "Bearer first-key"})
+    status, answer = guarded.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**12, "ignore_eos": True},
+                                  {"Authorization": "Bearer first-key"})
     assert status == 200 and answer["usage"]["total_tokens"] == 1024
 
 

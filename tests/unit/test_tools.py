@@ -38,7 +38,8 @@ def parse(chunks, parallel=True, prefill=""):
     (['<tool_call>{"name": "add", "arguments": {"a": 3}}'], [("call", ("add", {"a": 3}))]),  # cut before the close
     (['<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'],
      [("content", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')]),
-    (["<tool_call>not json</tool_call> after"], [("content", "<tool_call>not json</tool_call>"), ("content", " after")]),
+    (["<tool_call>not json</tool_call> after"],
+     [("content", "<tool_call>not json</tool_call>"), ("content", " after")]),
     (['{"name": "get_weather", "parameters": {"city": "Paris"}}'], [("call", ("get_weather", {"city": "Paris"}))]),
     (["<|python", '_tag|>{"name": "add", "arguments": {"b": 1}}'], [("call", ("add", {"b": 1}))]),
     (['{"answer": 42}'], [("content", '{"answer": 42}')]),
@@ -72,7 +73,8 @@ def test_a_forced_call_continues_the_prefill():
 def test_a_template_without_tools_gets_instructions_and_the_history_as_text():
     history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
                {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
     shaped = template_messages(history, ToolRequest((WEATHER,)), template_has_tools=False)
     assert shaped[0]["role"] == "system" and shaped[0]["content"].startswith("Be brief.\n\n# Tools\n")
