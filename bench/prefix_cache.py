@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, nargs="+", default=[2000, 3900])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=40, help="warm same-process requests per server, in turn "
+    parser.add_argument("--reps", type=int, default=100, help="warm same-process requests per server, in turn "
                         "(rounded up to even)")
     parser.add_argument("--cold-pairs", type=int, default=4, help="cold requests per server, in turn "
                         "(rounded up to even)")
