@@ -76,13 +76,13 @@ def question(number: int, section: int) -> str:
     return f"\n\nQuestion {number}: which service has the highest latency in section {section}?\nAnswer:"
 
 
-COLD_QUESTION = (1, 10)
-# The warm questions: (number, section), both two-digit, the number's first digit never 1 (the cold
+COLD_QUESTION = question(1, 10)
+# The warm questions: number and section both two-digit, the number's first digit never 1 (the cold
 # question's) nor the previous question's of the same server (they are drawn in pairs, one per server),
 # so every warm request, whatever it restores (its slot, the RAM tier, the disk), shares exactly the
 # document and "Question " with it and prefills the same number of tokens: one row more or less moves a
 # step's cost by up to a third at 16 rows on Q4_K_M files here. 80 numbers × 8 sections, all distinct.
-QUESTIONS = [(10 * (2 + i % 8) + (i // 8) % 10, 20 + 10 * (i // 80)) for i in range(640)]
+QUESTIONS = [question(10 * (2 + i % 8) + (i // 8) % 10, 20 + 10 * (i // 80)) for i in range(640)]
 RAM_TIER_PAIRS = 2  # warm pairs from the RAM tier, each after an unrelated request took the slot
 COLD_READ_PAIRS = 2  # new processes reading the disk after the page cache is dropped
 
@@ -193,14 +193,14 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
     ratios: dict[str, list[float]] = {}  # case -> each pair's reame / llama-server
     same: dict[str, bool] = {}
     questions = iter(QUESTIONS)
-    cold_prompt = document + question(*COLD_QUESTION)
+    cold_prompt = document + COLD_QUESTION
     with llama_server(path, args, slot_dir) as theirs:
         def paired(case: str, ours: Server, rep: int, prompts: dict[str, str] | None = None) -> dict[str, str]:
             """One Reame and one llama-server request in turn (by default each a new warm question); each goes
             first on alternate reps (the second of a pair runs ~5% slower here, in the first one's wake), so every
             case has an even count. Returns each server's answer."""
             if prompts is None:
-                prompts = {name: document + question(*next(questions)) for name in ("reame", "llama-server")}
+                prompts = {name: document + next(questions) for name in ("reame", "llama-server")}
             asked = [("reame", ours), ("llama-server", theirs)][::1 if rep % 2 else -1]
             answered = {name: first_token(server.port, prompts[name]) for name, server in asked}
             pairs.setdefault(case, []).append((answered["reame"][0], answered["llama-server"][0]))
@@ -237,8 +237,7 @@ def measure(path: str, args: argparse.Namespace, document: str, work: Path
         started = time.perf_counter()
         post(server.port, "/slots/0?action=restore", {"filename": "document.bin"})
         restore_s = time.perf_counter() - started
-        llama["new process, slot restore"] = restore_s + first_token_s(server.port,
-                                                                       document + question(*next(questions)))
+        llama["new process, slot restore"] = restore_s + first_token_s(server.port, document + next(questions))
     return reame, llama, ratios, same
 
 
@@ -263,10 +262,10 @@ def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> li
     params = SamplingParams(temperature=0, max_tokens=1)
     try:
         with Engine(backend) as engine:
-            engine.generate(GenerationRequest(document + question(*COLD_QUESTION), params))
+            engine.generate(GenerationRequest(document + COLD_QUESTION, params))
             steps.clear()
             started = time.perf_counter()
-            handle = engine.submit(GenerationRequest(document + question(*QUESTIONS[0]), params))
+            handle = engine.submit(GenerationRequest(document + QUESTIONS[0], params))
             submitted = time.perf_counter()
             next(handle.events())
             first = time.perf_counter()
