@@ -63,8 +63,17 @@ ZSTANDARD_SHA256 = {
     ("3.14", "aarch64"): "223415140608d0f0da010499eaa8ccdb9af210a543fac54bce15babbcfc78439",
 }
 
-# The ARM CPU variants of the pinned ggml that GCC 12 can build (ggml's armv9.2 SME variants need a newer one).
+# The CPU variants of the pinned ggml each portable build carries. ARM: those GCC 12 can build (ggml's armv9.2
+# SME variants need a newer one). x86-64: all but sapphirerapids, whose AMX kernels die of SIGILL at their first
+# tile instruction under some hypervisors (an Intel Xeon VM advertising amx_int8 here); the AVX-512 variants
+# serve those CPUs. Native x86-64 builds leave AMX out for the same reason (NO_AMX).
 ARM_VARIANTS = ("armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1", "armv8.6_2")
+X86_VARIANTS = ("x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell", "skylakex", "cannonlake",
+                "cascadelake", "icelake", "cooperlake", "zen4", "alderlake")
+CPU_VARIANTS = {"x86_64": X86_VARIANTS, "aarch64": ARM_VARIANTS}
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* win over -march=native in GCC
+# What a cached build must have been made with: raised whenever the recipe changes, so older builds are redone.
+BUILD_RECIPE = 2
 ARCHES = ("x86_64", "aarch64")
 
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
@@ -333,6 +342,8 @@ def cmake_options(portable: bool, tools: bool, arch: str) -> list[str]:
         "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
         "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     ]
+    if not portable and arch == "x86_64":
+        options += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     return options
 
 
@@ -367,11 +378,13 @@ def run_with_progress(command: list[str], log_path: Path, what: str) -> None:
 
 
 def is_built(target_dir: Path, portable: bool, tools: bool = False) -> bool:
-    """A finished build in the cache; a portable one must also carry its OpenMP runtime (older ones did not),
-    a tools one every tool of BENCH_TOOLS (the list grew since older ones were made)."""
+    """A finished build in the cache, made by this BUILD_RECIPE; a portable one must also carry its OpenMP
+    runtime (older ones did not), a tools one every tool of BENCH_TOOLS (the list grew since older ones were made)."""
     try:
         manifest = json.loads((target_dir / "manifest.json").read_text())
     except (OSError, ValueError):
+        return False
+    if manifest.get("recipe") != BUILD_RECIPE:
         return False
     if tools and not all((target_dir / "bin" / tool).is_file() for tool in BENCH_TOOLS):
         return False
@@ -408,15 +421,13 @@ def build(portable: bool, tools: bool, jobs: int, arch: str = "") -> Path:
 
 
 def compile_targets(portable: bool, tools: bool, arch: str) -> list[list[str]]:
-    """The `cmake --build` target lists, in order. x86-64 portable: the default target (every CPU
-    variant). aarch64 portable: the ARM variants this compiler can target, then libggml and libllama
-    without their dependency on the rest (make's /fast targets): GCC 12 knows no armv9.2-a+sme."""
+    """The `cmake --build` target lists, in order. Portable: the CPU variants it carries (CPU_VARIANTS), then
+    libggml and libllama without their dependency on the rest (make's /fast targets), which would build
+    every variant ggml knows."""
     if not portable:
         return [["--target", "llama", *(BENCH_TOOLS if tools else ())]]
-    if arch == "aarch64":
-        return [["--target", "ggml-base", *(f"ggml-cpu-{variant}" for variant in ARM_VARIANTS)],
-                ["--target", "ggml/fast"], ["--target", "llama/fast"]]
-    return [[]]
+    return [["--target", "ggml-base", *(f"ggml-cpu-{variant}" for variant in CPU_VARIANTS[arch])],
+            ["--target", "ggml/fast"], ["--target", "llama/fast"]]
 
 
 def openmp_runtime(arch: str) -> Path:
@@ -470,8 +481,9 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
         # The tools link to every shared library of the build (llama, ggml, common, …), by soname.
         for library in cmake_dir.rglob("lib*.so*"):
             shutil.copy2(library, bin_out / library.name)
-    manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256, "portable": portable,
-                "libraries": libraries, "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256, "recipe": BUILD_RECIPE,
+                "portable": portable, "libraries": libraries,
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if target_dir.exists():
         shutil.rmtree(target_dir)

@@ -47,11 +47,28 @@ def test_the_default_pyz_is_for_every_machine_this_one_first():
     assert build_zipapp.selected_arches("native") == [build_zipapp.machine()]
 
 
-def test_an_aarch64_build_names_its_variants_and_links_libllama_without_the_others():
-    steps = build_zipapp.compile_targets(portable=True, tools=False, arch="aarch64")
-    assert steps[0] == ["--target", "ggml-base", *(f"ggml-cpu-{v}" for v in build_zipapp.ARM_VARIANTS)]
+@pytest.mark.parametrize("arch, variants", [("aarch64", build_zipapp.ARM_VARIANTS),
+                                            ("x86_64", build_zipapp.X86_VARIANTS)])
+def test_a_portable_build_names_its_variants_and_links_libllama_without_the_others(arch, variants):
+    steps = build_zipapp.compile_targets(portable=True, tools=False, arch=arch)
+    assert steps[0] == ["--target", "ggml-base", *(f"ggml-cpu-{v}" for v in variants)]
     assert steps[1:] == [["--target", "ggml/fast"], ["--target", "llama/fast"]]
-    assert build_zipapp.compile_targets(portable=True, tools=False, arch="x86_64") == [[]]
+
+
+def test_no_x86_build_carries_amx_kernels():
+    """The pinned ggml's AMX kernels die of SIGILL under some hypervisors that advertise AMX."""
+    assert "sapphirerapids" not in build_zipapp.X86_VARIANTS
+    native = build_zipapp.cmake_options(portable=False, tools=False, arch="x86_64")
+    assert f"-DCMAKE_C_FLAGS={build_zipapp.NO_AMX}" in native and f"-DCMAKE_CXX_FLAGS={build_zipapp.NO_AMX}" in native
+    assert not any("amx" in option for option in build_zipapp.cmake_options(portable=True, tools=False,
+                                                                             arch="x86_64"))
+
+
+def test_a_build_made_by_an_earlier_recipe_is_built_again(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"libraries": {}}')
+    assert not build_zipapp.is_built(tmp_path, portable=False)
+    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{}}}}')
+    assert build_zipapp.is_built(tmp_path, portable=False)
 
 
 def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
@@ -123,7 +140,7 @@ def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch)
     here = build_zipapp.machine()
     manifest = build_zipapp.build_dir(True, arch=here) / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text('{"libraries": {"runtime": ["libgomp.so.1"]}}')
+    manifest.write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{"runtime": ["libgomp.so.1"]}}}}')
     monkeypatch.setattr(build_zipapp.Wheel, "cached", lambda wheel: tmp_path)
     asked = []
     monkeypatch.setattr(build_zipapp, "preflight", lambda compiling, downloads: asked.append((compiling, downloads)))
@@ -134,13 +151,14 @@ def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch)
 
 
 def test_a_portable_build_cached_without_its_openmp_runtime_is_built_again(tmp_path):
-    (tmp_path / "manifest.json").write_text('{"libraries": {"cpu_variants": ["libggml-cpu-x64.so"]}}')
+    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, '
+                                            '"libraries": {"cpu_variants": ["libggml-cpu-x64.so"]}}')
     assert not build_zipapp.is_built(tmp_path, portable=True)
     assert build_zipapp.is_built(tmp_path, portable=False)
 
 
 def test_a_tools_build_cached_without_one_of_the_tools_is_built_again(tmp_path):
-    (tmp_path / "manifest.json").write_text('{"libraries": {}}')
+    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{}}}}')
     (tmp_path / "bin").mkdir()
     for tool in build_zipapp.BENCH_TOOLS[:-1]:
         (tmp_path / "bin" / tool).write_text("")
