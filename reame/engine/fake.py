@@ -27,7 +27,7 @@ from typing import Any
 
 from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
 from reame.engine.chat_template import ChatTemplate
-from reame.engine.grammar import GrammarState, compiled
+from reame.engine.grammar import GrammarState, GrammarTooAmbiguous, compiled
 from reame.engine.sampling import Step
 from reame.errors import ModelError
 
@@ -120,7 +120,10 @@ class FakeSampler:
         """The token was drawn: the penalties count it, the grammar reads it."""
         self.history.append(token)
         if self.grammar is not None and token < 128:
-            self.grammar.feed(chr(token))
+            try:
+                self.grammar.feed(chr(token))
+            except GrammarTooAmbiguous:  # llama.cpp's matcher has no such bound: it goes on, unconstrained here
+                self.grammar = None
 
     def probabilities(self, logits: Sequence[float]) -> dict[int, float]:
         """The distribution the chain samples from (greedy: all mass on the argmax)."""
@@ -140,11 +143,18 @@ class FakeSampler:
     def _apply(self, step: Step, candidates: dict[int, float]) -> dict[int, float]:
         kind, args = step.kind, step.args
         if kind == "grammar":
-            assert self.grammar is not None
+            if self.grammar is None:  # dropped when it grew too ambiguous (see accept)
+                return candidates
             grammar, stacks = self.grammar.grammar, self.grammar.stacks
             can_end = () in stacks
+
+            def allowed(token: int) -> bool:
+                try:
+                    return bool(grammar.advance(stacks, token))
+                except GrammarTooAmbiguous:  # llama.cpp's matcher has no such bound: it allows the token
+                    return True
             return {token: value for token, value in candidates.items()
-                    if (token < 128 and grammar.advance(stacks, token)) or (can_end and token in (EOS, IM_END))}
+                    if (token < 128 and allowed(token)) or (can_end and token in (EOS, IM_END))}
         if kind == "logit_bias":
             adjusted = dict(candidates)
             for token, bias in args[0]:

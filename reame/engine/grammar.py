@@ -13,18 +13,43 @@ The matcher is llama.cpp's algorithm: a set of stacks of positions in rules,
 each stack's top a character class the next character must match; repetition
 is rewritten into right-recursive rules, and a rule reference in tail position
 replaces its caller, so stacks stay shallow.
+
+A grammar is untrusted input (22 bytes can ask for 200,000 rules), so every
+cost is bounded: repetition counts as llama.cpp bounds them (and what it would
+refuse is refused here first, naming the rule), the rules' total size once
+repetitions are written out, the nesting of groups, the parser states one
+character may leave (a grammar can be ambiguous enough to need a state per
+character read so far: `a ::= "x" a "y"? | "x"`), and the memory of each
+grammar's memo tables. Past a bound the answer is a GrammarError, at parse time
+or, for ambiguity that only text reveals, while the text is read
+(GrammarTooAmbiguous); the same bounds hold for llama.cpp's matcher, which
+follows the same states.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import hashlib
 import re
+import threading
 from dataclasses import dataclass
 
 from reame.errors import RequestError
 
 WHITESPACE = frozenset(map(ord, " \t\n\r"))
 MAX_EXPANSION_DEPTH = 200  # rule references followed without reading a character: left recursion
+# llama.cpp's MAX_REPETITION_THRESHOLD: the most a {m,n} may say, and the most rules one repetition may
+# write out (the rules of the repeated group times the count), as its parser counts them.
+MAX_REPETITION = 2000
+MAX_ELEMENTS = 200_000  # every rule's elements once repetitions are written out (~40 bytes each)
+MAX_NESTING = 64  # groups inside groups (the parser recurses for each)
+# Parser states one character may leave: stacks, and positions summed over them. JSON schemas need tens;
+# past this a grammar is ambiguous enough to cost more per character than the model's step.
+MAX_STACKS = 512
+MAX_POSITIONS = 16_384
+MEMO_ENTRIES = 4096  # per memo table of a grammar (cleared when full: they only save time)
+MAX_HABIT_CHARS = 64  # the longest whitespace remembered as a layout habit
+CACHE_ELEMENTS = 2 * MAX_ELEMENTS  # compiled grammars kept for reuse, by their size
 
 
 class GrammarError(RequestError):
@@ -32,6 +57,10 @@ class GrammarError(RequestError):
 
     def __init__(self, message: str, param: str = "grammar") -> None:
         super().__init__(message, param=param, code="invalid_grammar")
+
+
+class GrammarTooAmbiguous(GrammarError):
+    """The text read so far leaves more parser states than MAX_STACKS / MAX_POSITIONS."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +93,14 @@ Stack = tuple[Position, ...]
 
 
 class Grammar:
-    """Rules as alternatives of element sequences; `root` is where a text starts."""
+    """Rules as alternatives of element sequences; `root` is where a text starts; `size` counts their
+    elements; `key` names the text it was parsed from (its sha256). Its memo tables are shared by every
+    reader of the grammar (any thread: a lookup or an insertion is atomic, a table cleared meanwhile
+    only costs a recomputation)."""
 
-    def __init__(self, names: list[str], rules: list[list[tuple[Element, ...]]], root: int) -> None:
-        self.names, self.rules, self.root = names, rules, root
+    def __init__(self, names: list[str], rules: list[list[tuple[Element, ...]]], root: int, size: int = 0,
+                 key: bytes = b"") -> None:
+        self.names, self.rules, self.root, self.size, self.key = names, rules, root, size, key
         self._expanded: dict[Stack, frozenset[Stack]] = {}
         self._advanced: dict[tuple[frozenset[Stack], int], frozenset[Stack]] = {}
         self._forced: dict[tuple[frozenset[Stack], bool], int | None] = {}
@@ -75,8 +108,36 @@ class Grammar:
     def start(self) -> frozenset[Stack]:
         stacks: set[Stack] = set()
         for alternative in range(len(self.rules[self.root])):
-            stacks |= self.expand(((self.root, alternative, 0),))
-        return frozenset(stacks)
+            stacks |= self._expand_read(((self.root, alternative, 0),), "at its start")
+        return self._bounded(frozenset(stacks), "at its start")
+
+    def _expand_read(self, stack: Stack, where: str) -> frozenset[Stack]:
+        """`expand` while a text is read: the grammar was checked for left recursion when it was parsed,
+        so following more than MAX_EXPANSION_DEPTH rules without reading a character is ambiguity
+        (optional endings closing rule after rule), bounded like the rest."""
+        try:
+            return self.expand(stack)
+        except GrammarTooAmbiguous:
+            raise
+        except GrammarError:
+            raise GrammarTooAmbiguous(f"the grammar is too ambiguous: {where} it follows more than "
+                                      f"{MAX_EXPANSION_DEPTH} rules at once without reading a character") from None
+
+    @staticmethod
+    def _bounded(stacks: frozenset[Stack], where: str) -> frozenset[Stack]:
+        """`stacks`, or GrammarTooAmbiguous when they are more than the matcher keeps."""
+        positions = sum(map(len, stacks))
+        if len(stacks) > MAX_STACKS or positions > MAX_POSITIONS:
+            raise GrammarTooAmbiguous(
+                f"the grammar is too ambiguous: {where} it could be in {len(stacks)} places at once, "
+                f"{positions} parser positions in all (the limits are {MAX_STACKS} and {MAX_POSITIONS})")
+        return stacks
+
+    @staticmethod
+    def _remember(table: dict, key: object, value: object) -> None:
+        if len(table) >= MEMO_ENTRIES:
+            table.clear()
+        table[key] = value
 
     def expand(self, stack: Stack, depth: int = 0) -> frozenset[Stack]:
         """The stacks `stack` stands for whose top is a character class (or a token), and () for a
@@ -87,52 +148,62 @@ class Grammar:
         if depth > MAX_EXPANSION_DEPTH:
             raise GrammarError(f"rule '{self.names[stack[-1][0]]}' refers to itself before reading a character "
                                "(left recursion)")
-        if not stack:
+        height = len(stack)
+        while height and stack[height - 1][2] == len(self.rules[stack[height - 1][0]][stack[height - 1][1]]):
+            height -= 1  # finished alternatives pop, as many as have finished
+        if height == 0:
             result = frozenset({()})
+        elif height < len(stack):
+            result = self.expand(stack[:height], depth)
         else:
             rule, alternative, index = stack[-1]
             sequence = self.rules[rule][alternative]
-            if index == len(sequence):
-                result = self.expand(stack[:-1], depth + 1)
-            elif isinstance(sequence[index], Ref):
+            if isinstance(sequence[index], Ref):
                 callee = sequence[index].rule
                 # In tail position the caller is done: pop it (right recursion stays one frame deep).
                 base = stack[:-1] if index + 1 == len(sequence) else stack[:-1] + ((rule, alternative, index + 1),)
                 found: set[Stack] = set()
                 for option in range(len(self.rules[callee])):
                     found |= self.expand(base + ((callee, option, 0),), depth + 1)
+                    if len(found) > MAX_STACKS:  # before the fan-out of nested alternatives multiplies on
+                        self._bounded(frozenset(found), f"in rule '{self.names[callee]}'")
                 result = frozenset(found)
             else:
                 result = frozenset({stack})
-        self._expanded[stack] = result
+        self._remember(self._expanded, stack, result)
         return result
 
-    def advance(self, stacks: frozenset[Stack], code: int) -> frozenset[Stack]:
-        """The stacks after reading the character `code` (empty: the grammar refuses it)."""
+    def advance(self, stacks: frozenset[Stack], code: int, read: int = 0) -> frozenset[Stack]:
+        """The stacks after reading the character `code` (empty: the grammar refuses it); `read`: the
+        characters read before it, for GrammarTooAmbiguous's message."""
         key = (stacks, code)
         known = self._advanced.get(key)
         if known is not None:
             return known
         result: set[Stack] = set()
+        where = f"after {read + 1} characters"
         for stack in stacks:
             if not stack:
                 continue
             rule, alternative, index = stack[-1]
             element = self.rules[rule][alternative][index]
             if isinstance(element, Chars) and element.matches(code):
-                result |= self.expand(stack[:-1] + ((rule, alternative, index + 1),))
-        frozen = frozenset(result)
-        if len(self._advanced) < 100_000:
-            self._advanced[key] = frozen
+                result |= self._expand_read(stack[:-1] + ((rule, alternative, index + 1),), where)
+                if len(result) > MAX_STACKS:
+                    self._bounded(frozenset(result), where)
+        frozen = self._bounded(frozenset(result), where)
+        self._remember(self._advanced, key, frozen)
         return frozen
 
     def forced(self, stacks: frozenset[Stack], besides_whitespace: bool = False) -> int | None:
         """The one character every way on allows, if there is exactly one (and the text cannot end here);
         `besides_whitespace`: the one character allowed other than whitespace, which may come first."""
         key = (stacks, besides_whitespace)
-        if key not in self._forced:
-            self._forced[key] = self._find_forced(stacks, besides_whitespace)
-        return self._forced[key]
+        if key in self._forced:
+            return self._forced[key]
+        found = self._find_forced(stacks, besides_whitespace)
+        self._remember(self._forced, key, found)
+        return found
 
     def _find_forced(self, stacks: frozenset[Stack], besides_whitespace: bool) -> int | None:
         allowed: set[int] = set()
@@ -154,8 +225,8 @@ class Grammar:
     def accepts(self, text: str) -> bool:
         """Whether the whole of `text` is a sentence of the grammar."""
         stacks = self.start()
-        for char in text:
-            stacks = self.advance(stacks, ord(char))
+        for read, char in enumerate(text):
+            stacks = self.advance(stacks, ord(char), read)
             if not stacks:
                 return False
         return () in stacks
@@ -177,11 +248,13 @@ class GrammarState:
         self.grammar = grammar
         self.stacks = grammar.start()
         self.habits: dict[str, str] = {}  # character before + character after -> the whitespace between
+        self.read = 0  # characters fed so far
         self._previous = ""
         self._layout: tuple[str, str] | None = None  # (the habit's key, whitespace so far) being written
 
     def feed(self, text: str) -> bool:
-        """Read emitted text; False once the grammar refuses it (then nothing more is forced)."""
+        """Read emitted text; False once the grammar refuses it (then nothing more is forced).
+        GrammarTooAmbiguous when the text leaves more parser states than the matcher keeps."""
         grammar = self.grammar
         for char in text:
             if not self.stacks:
@@ -194,15 +267,23 @@ class GrammarState:
                 if ord(char) in WHITESPACE:
                     self._layout = (self._layout[0], self._layout[1] + char)
                 else:
-                    self.habits[self._layout[0]] = self._layout[1]
+                    if len(self._layout[1]) <= MAX_HABIT_CHARS:
+                        self.habits[self._layout[0]] = self._layout[1]
                     self._layout = None
-            self.stacks = grammar.advance(self.stacks, ord(char))
+            self.stacks = grammar.advance(self.stacks, ord(char), self.read)
+            self.read += 1
             self._previous = char
         return bool(self.stacks)
 
     def forced_text(self, limit: int) -> str:
         """Up to `limit` characters the grammar allows and nothing else from here, through optional
-        whitespace laid out as before."""
+        whitespace laid out as before (only so far when reading on would be too ambiguous)."""
+        try:
+            return self._forced_text(limit)
+        except GrammarTooAmbiguous:
+            return ""
+
+    def _forced_text(self, limit: int) -> str:
         grammar = self.grammar
         stacks, out = self.stacks, ""
         before, written = (self._layout[0][:-1], self._layout[1]) if self._layout is not None \
@@ -239,6 +320,8 @@ class _Parser:
         self.ids: dict[str, int] = {}
         self.rules: list[list[tuple[Element, ...]] | None] = []
         self.used_at: dict[str, int] = {}
+        self.size = 0  # elements in every rule so far (MAX_ELEMENTS)
+        self.nesting = 0  # groups open around the parser's position (MAX_NESTING)
 
     def fail(self, at: int, why: str) -> GrammarError:
         line = self.text.count("\n", 0, at) + 1
@@ -257,6 +340,13 @@ class _Parser:
         rule = self.rule_id(name)
         self.rules[rule] = alternatives
         return Ref(rule)
+
+    def grow(self, at: int, name: str, elements: int) -> None:
+        """Count `elements` more, before they are made: past MAX_ELEMENTS the grammar is refused."""
+        self.size += elements
+        if self.size > MAX_ELEMENTS:
+            raise self.fail(at, f"rule '{name}': the grammar grows past {MAX_ELEMENTS} elements once its "
+                            "repetitions are written out; repeat less, or less at a time")
 
     def space(self, at: int, newlines: bool) -> int:
         while at < len(self.text):
@@ -294,7 +384,7 @@ class _Parser:
         if "root" not in self.ids:
             raise GrammarError("the grammar has no 'root' rule")
         rules = [rule for rule in self.rules if rule is not None]
-        grammar = Grammar(self.names, rules, self.ids["root"])
+        grammar = Grammar(self.names, rules, self.ids["root"], self.size, hashlib.sha256(self.text.encode()).digest())
         for rule in range(len(rules)):  # left recursion anywhere, not only from root
             for alternative in range(len(rules[rule])):
                 grammar.expand(((rule, alternative, 0),))
@@ -307,13 +397,18 @@ class _Parser:
         while at < len(self.text) and self.text[at] == "|":
             sequence, at = self.sequence(self.space(at + 1, True), name, nested)
             result.append(sequence)
+        self.grow(at, name, len(result))
         return result, at
 
     def sequence(self, at: int, name: str, nested: bool) -> tuple[tuple[Element, ...], int]:
         elements: list[Element] = []
         last_start = 0  # where the last symbol's elements begin (a repetition applies to them)
+        last_rules = 1  # rules the last symbol stands for (a group's), as llama.cpp counts them
         while at < len(self.text):
             char = self.text[at]
+            counted = len(elements)  # elements past this are counted at the end of the round (repetitions: before)
+            if char not in "*+?{":
+                last_rules = 1
             if char == '"':
                 last_start = len(elements)
                 at += 1
@@ -337,11 +432,19 @@ class _Parser:
                 at += 1
             elif char == "(":
                 last_start = len(elements)
+                self.nesting += 1
+                if self.nesting > MAX_NESTING:
+                    raise self.fail(at, f"rule '{name}': groups nested more than {MAX_NESTING} deep")
+                rules_before = len(self.names)
+                group = self.new_rule(name, [])
                 alternatives, at = self.alternatives(self.space(at + 1, True), name, nested=True)
+                self.nesting -= 1
                 if at >= len(self.text) or self.text[at] != ")":
                     raise self.fail(at, "expected ')'")
                 at += 1
-                elements.append(self.new_rule(name, alternatives))
+                self.rules[group.rule] = alternatives
+                elements.append(group)
+                last_rules = max(1, len(self.names) - rules_before)
             elif char == "<" or (char == "!" and self.text.startswith("<", at + 1)):
                 last_start = len(elements)
                 end = self.text.find(">", at)
@@ -352,11 +455,19 @@ class _Parser:
             elif char in "*+?{":
                 if last_start == len(elements):
                     raise self.fail(at, f"'{char}' repeats nothing")
-                low, high, at = self.repetition(at)
+                low, high, end = self.repetition(at, name)
+                written_out = high if high else low or 1  # rules the repetition writes, as llama.cpp counts
+                if last_rules * written_out > MAX_REPETITION:
+                    raise self.fail(at, f"rule '{name}': repeating a group of {last_rules} rules {written_out} "
+                                    f"times writes more than {MAX_REPETITION} rules (llama.cpp's limit)")
                 repeated = tuple(elements[last_start:])
+                new_rules = 1 if high is None else high - low
+                self.grow(at, name, len(repeated) * (low - 1) + new_rules * (len(repeated) + 3))
                 del elements[last_start:]
                 elements.extend(self.repeat(name, repeated, low, high))
-                last_start = len(elements)  # a second repetition in a row applies to nothing
+                last_start = counted = len(elements)  # a second repetition in a row applies to nothing
+                last_rules *= written_out
+                at = end
             elif NAME.match(char):
                 match = NAME.match(self.text, at)
                 assert match is not None
@@ -369,6 +480,7 @@ class _Parser:
                 at = match.end()
             else:
                 break
+            self.grow(at, name, len(elements) - counted)
             at = self.space(at, nested)
         return tuple(elements), at
 
@@ -387,7 +499,7 @@ class _Parser:
             out.append(optional)
         return out
 
-    def repetition(self, at: int) -> tuple[int, int | None, int]:
+    def repetition(self, at: int, name: str) -> tuple[int, int | None, int]:
         char = self.text[at]
         if char == "*":
             return 0, None, at + 1
@@ -398,6 +510,10 @@ class _Parser:
         match = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}").match(self.text, at)
         if not match:
             raise self.fail(at, "expected {m}, {m,} or {m,n}")
+        if any(len(digits) > 9 for digits in match.group(1, 3) if digits) or \
+                max(int(digits) for digits in match.group(1, 3) if digits) > MAX_REPETITION:
+            raise self.fail(at, f"rule '{name}': {match.group()} repeats more than {MAX_REPETITION} times "
+                            "(llama.cpp's limit)")
         low = int(match.group(1))
         high = low if match.group(2) is None else (int(match.group(3)) if match.group(3) else None)
         if high is not None and high < low:
@@ -444,7 +560,39 @@ def parse_gbnf(text: str) -> Grammar:
     return _Parser(text).parse()
 
 
-@functools.lru_cache(maxsize=64)
-def compiled(text: str) -> Grammar:
-    """`parse_gbnf`, once per text: requests with the same schema share one grammar and its caches."""
-    return parse_gbnf(text)
+class _CompiledGrammars:
+    """Parsed grammars by text, least recently used first out, at most CACHE_ELEMENTS elements in all (a
+    grammar's memo tables are bounded apart: MEMO_ENTRIES). Any thread."""
+
+    def __init__(self) -> None:
+        self._grammars: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
+        self._elements = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> Grammar:
+        with self._lock:
+            grammar = self._grammars.get(text)
+            if grammar is not None:
+                self._grammars.move_to_end(text)
+                return grammar
+        grammar = parse_gbnf(text)  # outside the lock: one request's heavy grammar never waits on another's
+        with self._lock:
+            if text not in self._grammars:
+                self._grammars[text] = grammar
+                self._elements += grammar.size
+            while self._elements > CACHE_ELEMENTS and len(self._grammars) > 1:
+                self._elements -= self._grammars.popitem(last=False)[1].size
+        return grammar
+
+    @property
+    def elements(self) -> int:
+        return self._elements
+
+    def clear(self) -> None:
+        with self._lock:
+            self._grammars.clear()
+            self._elements = 0
+
+
+compiled = _CompiledGrammars()
+"""`parse_gbnf`, once per text: requests with the same schema share one grammar and its memo tables."""

@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from reame.engine.grammar import GrammarError
+from reame.engine.grammar import MAX_REPETITION, GrammarError
 
 ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$anchor", "strict", "name"}
@@ -36,6 +36,8 @@ FORMATS = {
             r'( "Z" | [+-] ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )?',
     "uuid": r'[0-9a-fA-F]{8} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{12}',
 }
+MAX_SCHEMA_DEPTH = 64  # schemas inside schemas (through $ref too): the converter recurses for each
+MAX_BOUND_DIGITS = 18  # integer bounds within ±10^18: a bound's digits become nested grammar rules
 FORMATS["date-time"] = f'{FORMATS["date"]} "T" {FORMATS["time"]}'
 PRIMITIVES = {
     "ws": '| " " | "\\n" [ \\t]{0,20}',
@@ -68,6 +70,7 @@ class _Converter:
         self.top = top  # the top rule's name, also the prefix of every rule made for this schema
         self.rules: dict[str, str] = {}
         self.refs: dict[str, str] = {}  # $ref -> rule name
+        self.depth = 0  # schemas being converted around the current one (MAX_SCHEMA_DEPTH)
 
     def fail(self, where: str, why: str) -> GrammarError:
         return GrammarError(f"{self.param}: {why} at {where}", param=self.param)
@@ -94,6 +97,15 @@ class _Converter:
 
     def convert(self, schema: Any, where: str, hint: str) -> str:
         """The rule name matching `schema`."""
+        self.depth += 1
+        try:
+            if self.depth > MAX_SCHEMA_DEPTH:
+                raise self.fail(where, f"schemas nested more than {MAX_SCHEMA_DEPTH} deep")
+            return self._convert(schema, where, hint)
+        finally:
+            self.depth -= 1
+
+    def _convert(self, schema: Any, where: str, hint: str) -> str:
         if schema is True or schema == {}:
             return self.primitive("value")
         if not isinstance(schema, dict):
@@ -252,6 +264,9 @@ def _bounds(schema: dict, low_key: str, high_key: str, where: str, converter: _C
     for key, value in ((low_key, low), (high_key, high)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise converter.fail(where, f"'{key}' must be a non-negative integer")
+        if value is not None and value > MAX_REPETITION:
+            raise converter.fail(where, f"'{key}' of {value} is over the {MAX_REPETITION} a grammar can count to "
+                                 "(llama.cpp's limit)")
     if high is not None and high < low:
         raise converter.fail(where, f"'{high_key}' is below '{low_key}'")
     return low, high
@@ -263,6 +278,8 @@ def _integer_bounds(schema: dict, where: str, converter: _Converter) -> tuple[in
         value = schema.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise converter.fail(where, f"'{key}' must be a number")
+        if value is not None and not abs(value) < 10 ** MAX_BOUND_DIGITS:  # also refuses inf and nan
+            raise converter.fail(where, f"'{key}' must be a number within ±10^{MAX_BOUND_DIGITS}")
     lows = [math.ceil(schema["minimum"])] if "minimum" in schema else []
     lows += [math.floor(schema["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in schema else []
     highs = [math.floor(schema["maximum"])] if "maximum" in schema else []

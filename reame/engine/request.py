@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from reame.cache.store import Snapshot
+from reame.engine.grammar import Grammar
 from reame.errors import ModelError, RequestError
 
 MAX_STOP_STRINGS = 16
@@ -218,6 +219,8 @@ class FinishEvent:
     usage: Usage
     message: str = ""  # why, for "error" and for a length stop that hit the context
     text: str = ""  # text held back until the end (an unfinished character or stop-string prefix)
+    # For an "error" the request itself caused (its grammar, say): what a client is told to fix.
+    code: str = ""
 
 
 Event = Union[TokenEvent, FinishEvent]
@@ -237,6 +240,8 @@ class Handle:
         self.finish: FinishEvent | None = None
         self.submitted_at = time.monotonic()
         self.snapshot: Snapshot | None = None  # from the prefix cache, found at submission
+        self.grammar: Grammar | None = None  # the request's grammar, compiled at submission
+        self.queued = True  # counted against the engine's max_queue until admitted or answered
         self.first_delivered = threading.Event()  # see GenerationRequest.streamed
 
     def cancel(self) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
+from reame.engine.grammar import GrammarTooAmbiguous, compiled
 from reame.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -135,7 +136,7 @@ class Engine:
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
                  speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S) -> None:
-        """`max_queue`: most requests waiting for a slot (0 = no limit); `queue_timeout_s`: how long
+        """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
         `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
@@ -160,6 +161,9 @@ class Engine:
             cache.follow(self.idle)
         self.status = EngineStatus(idle_prefixes=((),) * backend.n_seq_max)
         self._inbox: queue.SimpleQueue[list[Handle] | EmbeddingJob | _Call | None] = queue.SimpleQueue()
+        # Generations submitted and not yet admitted to a slot (or answered), every one counted against max_queue.
+        self._queue_lock = threading.Lock()
+        self._queued = 0
         # Engine thread only, from here on.
         self._slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
         self._running: list[Running] = []  # in admission order
@@ -202,11 +206,29 @@ class Engine:
         step, so those with one prompt share one prefill (OpenAI `n`, the Conclave). Tags follow on
         from `first_tag`. Nothing is queued if one of them is refused."""
         self._check_available()
-        if self.max_queue and self.load()[0] >= self.max_queue:
-            raise OverloadedError(f"{self.max_queue} requests are already waiting; retry shortly")
+        if self.max_queue and len(requests) > self.max_queue:
+            raise RequestError(f"this server queues at most {self.max_queue} generations (server.max_queue); this "
+                               f"request asks {len(requests)}", param="n", code="too_many_generations")
+        self._check_room(len(requests))  # before tokenizing: full is full
         handles = [self._handle(request, sink, first_tag + i) for i, request in enumerate(requests)]
-        self._inbox.put(handles)
+        with self._queue_lock:  # checked and counted as one: two callers cannot both take the last places
+            self._check_room(len(handles))
+            self._queued += len(handles)
+            self._inbox.put(handles)
         return handles
+
+    def _check_room(self, generations: int) -> None:
+        if self.max_queue and self._queued + generations > self.max_queue:
+            raise OverloadedError(f"{self._queued} generations are already waiting (at most {self.max_queue}); "
+                                  "retry shortly")
+
+    def _dequeued(self, handle: Handle) -> None:
+        """A submitted generation left the queue (admitted, or answered without a slot): engine thread, once
+        per handle."""
+        if handle.queued:
+            handle.queued = False
+            with self._queue_lock:
+                self._queued -= 1
 
     def _handle(self, request: GenerationRequest, sink: queue.SimpleQueue | None, tag: int) -> Handle:
         tokens = self.prompt_tokens(request)
@@ -221,6 +243,9 @@ class Engine:
             if token >= self.backend.n_vocab:
                 raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")
         handle = Handle(request, tokens, sink, tag)
+        if request.params.grammar is not None:  # here, in the caller's thread: never on the engine's
+            handle.grammar = compiled(request.params.grammar)
+            handle.grammar.start()  # a start already too ambiguous is refused now
         if self.cache is not None and request.session is None:
             # Read here, in the caller's thread, so the engine thread never waits on the disk.
             held = max((common_prefix(prefix, tokens) for prefix in self.status.idle_prefixes), default=0)
@@ -275,9 +300,8 @@ class Engine:
             raise EngineUnavailable("the engine is shutting down")
 
     def load(self) -> tuple[int, int]:
-        """(requests waiting, requests running), from the published status and the inbox."""
-        status = self.status
-        return status.waiting + self._inbox.qsize(), status.running
+        """(generations waiting for a slot, generations running)."""
+        return self._queued, self.status.running
 
     def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Completion:
         """Submit and wait for the whole result."""
@@ -476,6 +500,7 @@ class Engine:
             if self._running and self._reserved_with(handle) > self.backend.n_ctx:
                 break
             self._waiting.popleft()
+            self._dequeued(handle)
             self._changed = True
             try:
                 running = self._start(handle)
@@ -519,7 +544,7 @@ class Engine:
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
             running.snapshot_at = self._snapshot_point(running)
             if self.speculation is not None and not handle.request.warm:
-                running.draftings = self.speculation.start(handle.prompt_tokens, params.grammar)
+                running.draftings = self.speculation.start(handle.prompt_tokens, handle.grammar)
         except BaseException:
             backend.free_sampler(sampler)
             backend.seq_rm(slot.seq_id)
@@ -832,10 +857,13 @@ class Engine:
             self._finish(running, FINISH_STOP)
             return
         running.generated_tokens.append(token)
+        piece = backend.token_piece(token)
+        if running.grammar is not None and not self._follow_grammar(running, piece):
+            return
         if running.draftings:
             assert self.speculation is not None
             self.speculation.observe(running.draftings, (token,))
-        text = running.stream.push(backend.token_piece(token))
+        text = running.stream.push(piece)
         running.handle._put(TokenEvent(token, text, logprob, top))
         if len(running.generated_tokens) == 1 and running.handle.request.streamed:
             self._first_tokens.append(running.handle)
@@ -848,7 +876,20 @@ class Engine:
         else:
             running.next_token = token
 
-    def _finish(self, running: Running, reason: str, message: str = "") -> None:
+    def _follow_grammar(self, running: Running, piece: bytes) -> bool:
+        """Read the token's text into the request's grammar state; False when that ended the request (the
+        text leaves the grammar more ambiguous than it may be: a clear error, not a stalled engine)."""
+        assert running.grammar is not None
+        try:
+            if not running.grammar.feed(running.grammar_text.decode(piece)):
+                running.grammar = None  # llama.cpp's sampler allowed what ours refuses: nothing to bound
+        except GrammarTooAmbiguous as error:
+            running.next_token = None
+            self._finish(running, FINISH_ERROR, str(error), code="grammar_too_ambiguous")
+            return False
+        return True
+
+    def _finish(self, running: Running, reason: str, message: str = "", code: str = "") -> None:
         now = time.perf_counter()
         session = running.handle.request.session
         kept = reason in (FINISH_STOP, FINISH_LENGTH)
@@ -872,9 +913,10 @@ class Engine:
         # Kept for the next request that shares its prefix; `used` makes it the most recently used.
         slot.running, slot.held, slot.used = None, held, next(self._releases)
         self._changed = True
-        running.handle._put(FinishEvent(reason, usage, message, tail))
+        running.handle._put(FinishEvent(reason, usage, message, text=tail, code=code))
 
     def _reject(self, handle: Handle, reason: str, message: str = "") -> None:
+        self._dequeued(handle)
         self._changed = True
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
 

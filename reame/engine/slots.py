@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import time
 
+import codecs
+
+from reame.engine.grammar import GrammarState
 from reame.engine.request import Handle, SessionState
 from reame.engine.textstream import TextStream
 from reame.speculative import Drafting
@@ -27,6 +30,8 @@ class Running:
         "first_token_at",
         "followers",
         "generated_tokens",
+        "grammar",
+        "grammar_text",
         "handle",
         "leader",
         "max_tokens",
@@ -54,6 +59,10 @@ class Running:
         self.solo_last = False  # decode the last prompt token in a step of its own (SOLO_LAST_TOKEN_PREFILL)
         self.max_tokens = max_tokens
         self.stream = TextStream(handle.request.params.stop)
+        # The request's grammar followed as the answer is written: it bounds what the grammar may cost
+        # (grammar.py's limits hold for llama.cpp's sampler too, which follows the same states).
+        self.grammar = GrammarState(handle.grammar) if handle.grammar is not None else None
+        self.grammar_text = codecs.getincrementaldecoder("utf-8")("replace")
         self.admitted_at = time.perf_counter()
         self.first_token_at = 0.0
         self.draftings: list[Drafting] = []  # speculative decoding's sources, when the request allows it

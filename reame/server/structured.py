@@ -15,8 +15,19 @@ from typing import Any
 from reame.engine.grammar import GrammarError, compiled
 from reame.engine.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.server.http import HttpError
+from reame.server.tools import ToolRequest, forced_call_grammar
 
 MAX_GRAMMAR_BYTES = 256 << 10
+
+
+def forced_tool_grammar(tools: ToolRequest) -> str | None:
+    """The grammar of a forced tool call (tool_choice `required` or a named function), checked here like
+    any other: a parameter schema it cannot express is a 400 naming it."""
+    try:
+        grammar = forced_call_grammar(tools)
+        return checked(grammar) if grammar is not None else None
+    except GrammarError as error:
+        raise HttpError(400, str(error), param=error.param, code=error.code) from None
 
 
 def requested_grammar(body: dict[str, Any]) -> str | None:
@@ -60,6 +71,6 @@ def response_format_grammar(value: Any) -> str | None:
 
 
 def checked(gbnf: str) -> str:
-    """The grammar, once it parsed (compiled() keeps it for the engine's drafts too)."""
-    compiled(gbnf)
+    """The grammar, once it parsed within the grammar limits (compiled() keeps it for the engine)."""
+    compiled(gbnf).start()  # its start may already be too ambiguous
     return gbnf

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from reame.files import FileLock, pack_tokens, unpack_tokens
+from reame.files import FileLock, create_private, pack_tokens, private_directory, unpack_tokens
 
 log = logging.getLogger("reame.palimpsest")
 
@@ -66,7 +66,7 @@ class Archive:
     def __init__(self, directory: Path, vocabulary: bytes, budget_bytes: int) -> None:
         if len(vocabulary) != 32:
             raise ValueError("the vocabulary hash is 32 bytes")
-        directory.mkdir(parents=True, exist_ok=True)
+        private_directory(directory)
         self.path = directory / (vocabulary.hex()[:32] + SUFFIX)
         self.vocabulary = vocabulary
         self.budget_bytes = max(budget_bytes, HEADER.size + FRAME.size + 64)
@@ -218,7 +218,8 @@ class Archive:
 
     def _write_atomically(self, frames: list[tuple[int, ...]]) -> None:
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(temp, "wb") as out:
+        temp.unlink(missing_ok=True)  # this process's own leftover (its file lock is held)
+        with create_private(temp) as out:
             out.write(HEADER.pack(MAGIC, VERSION, self.vocabulary, int.from_bytes(os.urandom(8), "little")))
             for frame in frames:
                 payload = pack_tokens(frame)

@@ -27,11 +27,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from reame.cache import common_prefix
 from reame.engine.backend import DECODE_OK, Backend
 from reame.engine.sampling import Step
 from reame.errors import ModelError
+
+if TYPE_CHECKING:
+    from reame.engine.grammar import Grammar
 
 log = logging.getLogger("reame.speculative")
 
@@ -80,7 +84,7 @@ class DraftModel:
         self._samplers = [backend.new_sampler([Step("top_k", (TOP_CANDIDATES,))], slot)
                           for slot in range(backend.n_seq_max)]
 
-    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> DraftModelDrafter:
+    def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> DraftModelDrafter:
         """A drafter on the idle slot whose KV shares the longest start with `prompt`."""
         if not self._idle:
             return DraftModelDrafter(self, None, [], prompt)  # more sequences than slots: it drafts nothing

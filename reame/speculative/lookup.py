@@ -10,6 +10,10 @@ its latest end position keeps each step O(max_ngram) however long the prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from reame.engine.grammar import Grammar
 
 
 class PromptLookup:
@@ -22,7 +26,7 @@ class PromptLookup:
         self.max_ngram = max(1, max_ngram)
         self.min_ngram = min(max(1, min_ngram), self.max_ngram)
 
-    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> LookupDrafter:
+    def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> LookupDrafter:
         drafter = LookupDrafter(self.max_ngram, self.min_ngram)
         drafter.observe(prompt)
         return drafter

@@ -28,10 +28,13 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from pathlib import Path
 
 from reame.speculative.archive import Archive
+
+if TYPE_CHECKING:
+    from reame.engine.grammar import Grammar
 
 log = logging.getLogger("reame.palimpsest")
 
@@ -158,7 +161,7 @@ class Palimpsest:
         with self._lock:
             return len(self._index) if self._index is not None else 0
 
-    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> PalimpsestDrafter:
+    def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> PalimpsestDrafter:
         return PalimpsestDrafter(self, prompt)
 
     def continuation(self, context: Sequence[int], limit: int) -> list[int]:

@@ -14,7 +14,10 @@ computes (a draft model) decodes on the same thread as the target.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from reame.engine.grammar import Grammar
 
 
 class Drafter(Protocol):
@@ -36,8 +39,8 @@ class DraftSource(Protocol):
     # decides first and the proposal's time is measured and charged to the source.
     free: bool
 
-    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> Drafter:
-        """A drafter for one sequence: its prompt, and the GBNF its output must match, if any."""
+    def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> Drafter:
+        """A drafter for one sequence: its prompt, and the grammar its output must match, if any."""
         ...
 
     def warm_up(self) -> None:

@@ -21,9 +21,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from reame.speculative.controller import PRIOR_ACCEPTANCE, CostModel, DraftController, SpeculationStats
 from reame.speculative.source import Drafter, DraftSource
+
+if TYPE_CHECKING:
+    from reame.engine.grammar import Grammar
 
 log = logging.getLogger("reame.speculative")
 
@@ -79,9 +83,9 @@ class Speculation:
         self._records = {source.name: _SourceRecord() for source in sources}
         self._lock = threading.Lock()
 
-    def start(self, prompt: Sequence[int], grammar: str | None = None) -> list[Drafting]:
+    def start(self, prompt: Sequence[int], grammar: Grammar | None = None) -> list[Drafting]:
         """A new sequence's draftings, each controller starting from what its source achieved lately;
-        `grammar`: the GBNF its output must match, if any."""
+        `grammar`: the grammar its output must match, if any."""
         with self._lock:
             priors = {name: record.acceptance for name, record in self._records.items()}
         return [Drafting(source.name, source.drafter(prompt, grammar),

@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 
-from reame.engine.grammar import GrammarState, compiled
+from reame.engine.grammar import Grammar, GrammarState, GrammarTooAmbiguous
 
 REMEMBERED_GRAMMARS = 64  # grammars whose answers' whitespace is remembered
 TAIL_TOKENS = 200  # prompt tokens read back for the text of the lines before the answer
@@ -55,7 +55,7 @@ class Suggeritore:
         self.piece, self.tokenize, self.detokenize = piece, tokenize, detokenize
         # Per grammar, the whitespace the latest answer wrote where the grammar left it open: the next
         # answer to the same schema starts from it (the same model lays the same JSON out the same way).
-        self._layouts: collections.OrderedDict[str, dict[str, str]] = collections.OrderedDict()
+        self._layouts: collections.OrderedDict[bytes, dict[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def tokens_of(self, text: str, following: str = NEXT_WORD) -> list[int]:
@@ -80,18 +80,18 @@ class Suggeritore:
             written += piece
         return kept
 
-    def drafter(self, prompt: Sequence[int], grammar: str | None = None) -> SuggeritoreDrafter:
-        state = GrammarState(compiled(grammar)) if grammar is not None else None
+    def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> SuggeritoreDrafter:
+        state = GrammarState(grammar) if grammar is not None else None
         if state is not None:
             with self._lock:
-                state.habits.update(self._layouts.get(grammar, {}))
-        return SuggeritoreDrafter(self, self.detokenize(prompt[-TAIL_TOKENS:]), state, grammar)
+                state.habits.update(self._layouts.get(state.grammar.key, {}))
+        return SuggeritoreDrafter(self, self.detokenize(prompt[-TAIL_TOKENS:]), state)
 
-    def remember(self, grammar: str, habits: dict[str, str]) -> None:
+    def remember(self, grammar: Grammar, habits: dict[str, str]) -> None:
         """Keep an answer's whitespace habits for the next answer to `grammar` (the latest few grammars)."""
         with self._lock:
-            self._layouts[grammar] = dict(habits)
-            self._layouts.move_to_end(grammar)
+            self._layouts[grammar.key] = dict(habits)
+            self._layouts.move_to_end(grammar.key)
             while len(self._layouts) > REMEMBERED_GRAMMARS:
                 self._layouts.popitem(last=False)
 
@@ -103,10 +103,8 @@ class Suggeritore:
 
 
 class SuggeritoreDrafter:
-    def __init__(self, source: Suggeritore, text: str, grammar: GrammarState | None,
-                 grammar_text: str | None = None) -> None:
+    def __init__(self, source: Suggeritore, text: str, grammar: GrammarState | None) -> None:
         self.source = source
-        self.grammar_text = grammar_text
         self.line = text.rsplit("\n", 1)[-1]  # the line being written
         self.previous = text.rsplit("\n", 2)[-2] if "\n" in text else ""  # the line before it
         self.grammar = grammar
@@ -118,8 +116,11 @@ class SuggeritoreDrafter:
             text = self._decoder.decode(self.source.piece(token))
             if not text:
                 continue
-            if self.grammar is not None and not self.grammar.feed(text):
-                self.grammar = None  # the answer left the grammar (cannot happen under the sampler): stop
+            try:
+                if self.grammar is not None and not self.grammar.feed(text):
+                    self.grammar = None  # the answer left the grammar (cannot happen under the sampler): stop
+            except GrammarTooAmbiguous:
+                self.grammar = None  # the engine ends the request: nothing more to draft
             for char in text:
                 self._follow(char)
 
@@ -155,8 +156,8 @@ class SuggeritoreDrafter:
         return closer if returned else ""
 
     def close(self) -> None:
-        if self.grammar is not None and self.grammar_text is not None and self.grammar.habits:
-            self.source.remember(self.grammar_text, self.grammar.habits)
+        if self.grammar is not None and self.grammar.habits:
+            self.source.remember(self.grammar.grammar, self.grammar.habits)
 
 
 def indentation(line: str) -> str:

@@ -5,6 +5,7 @@ import json
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import EOS, IM_END, N_VOCAB, FakeBackend
+from reame.engine.grammar import compiled
 from reame.engine.json_schema import schema_to_gbnf
 from reame.speculative import Speculation
 from reame.speculative.suggeritore import Suggeritore
@@ -78,7 +79,7 @@ def test_the_drafter_follows_the_answer_across_split_characters_and_lines():
     drafter.observe(list("2. café\n".encode()))  # é arrives as two byte tokens
     assert backend.detokenize(drafter.propose(8)) == "3."
     grammar = schema_to_gbnf({"enum": ["administrator", "user"]})
-    drafter = suggeritore(backend).drafter([], grammar)
+    drafter = suggeritore(backend).drafter([], compiled(grammar))
     drafter.observe(list(b'"a'))
     assert backend.detokenize(drafter.propose(8)) == "dministr"  # at most the limit
     assert backend.detokenize(drafter.propose(20)) == 'dministrator"'
@@ -137,8 +138,8 @@ def test_the_next_answer_to_the_same_schema_starts_from_the_layout_of_the_last()
     usage = second.finish.usage
     assert usage.accepted_draft_tokens == usage.draft_tokens >= first.finish.usage.accepted_draft_tokens + 6
     backend = FakeBackend(n_ctx=2048, n_batch=256, rule=writes(answer))
-    other = suggeritore(backend).drafter([], grammar)
+    other = suggeritore(backend).drafter([], compiled(grammar))
     assert other.grammar.habits == {}  # a new source knows nothing
-    remembered = source.drafter([], grammar)
+    remembered = source.drafter([], compiled(grammar))
     # (Not before the number or after it: there the grammar leaves more than whitespace open.)
     assert remembered.grammar.habits == {'{"': "\n  ", ':"': " ", '",': "", ',"': "\n  ", '"}': "\n"}
