@@ -1,4 +1,11 @@
-"""Small pieces the on-disk stores share: an exclusive lock between processes, token arrays as bytes."""
+"""Small pieces the on-disk stores share: private directories and files, an exclusive lock between
+processes, token arrays as bytes.
+
+What the stores keep (prompts and answers as tokens, conversations' KV, cached answers) is the users'
+data: directories are 0700 and files 0600 whatever the umask, a new file is created exclusively and
+never through a symlink someone planted, and a rename that promises durability is followed by an fsync
+of its directory.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,39 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
+
+PRIVATE_DIRECTORY = 0o700
+PRIVATE_FILE = 0o600
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_directory(path: Path) -> Path:
+    """`path` (and its missing parents) as a directory only this user can enter; one of ours made by an
+    earlier version with a looser mode is tightened. OSError when it cannot be made."""
+    path.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
+    try:
+        status = path.stat()
+        if status.st_uid == os.geteuid() and status.st_mode & 0o077:
+            path.chmod(PRIVATE_DIRECTORY)
+    except OSError:
+        pass  # not ours to tighten (a shared directory the user chose): used as it is
+    return path
+
+
+def create_private(path: Path) -> BinaryIO:
+    """A new file, open for writing, that only this user can read: exclusive (an existing file or a
+    symlink at `path` is an error, FileExistsError or OSError), whatever the umask."""
+    return os.fdopen(os.open(path, NEW_FILE_FLAGS, PRIVATE_FILE), "wb")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (the new name is on disk, not only the file's bytes)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class FileLock:
@@ -18,7 +58,7 @@ class FileLock:
         self._fd = -1
 
     def __enter__(self) -> FileLock:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 

@@ -41,6 +41,7 @@ from reame.arca.store import (
 )
 from reame.arca.stream_commands import Blocked, StreamCommands
 from reame.errors import ListenError
+from reame.files import private_directory
 
 log = logging.getLogger("reame.arca")
 
@@ -78,7 +79,7 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
 
     def _load(self, directory: Path) -> AppendOnlyFile:
         path = directory / "appendonly.aof"
-        directory.mkdir(parents=True, exist_ok=True)
+        private_directory(directory)
         commands, good = read_log(path)
         if path.exists():
             truncate_log(path, good)

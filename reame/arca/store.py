@@ -27,8 +27,10 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from reame.arca.resp import RequestParser, command_bytes
+from reame.files import PRIVATE_FILE, create_private, fsync_directory, private_directory
 
 log = logging.getLogger("reame.arca")
 
@@ -276,9 +278,10 @@ class AppendOnlyFile:
     """The write log: appended by the loop thread, fsynced once a second, rewritten in the background."""
 
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        private_directory(directory)
         self.path = directory / AOF_NAME
-        self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the daemon's life)
+        self._file = open_private_log(self.path)
+        fsync_directory(directory)  # the log's own name is durable from the start
         self.base_size = self.size()
         self.synced_size = self.base_size  # bytes of the file known to be on disk
         self._lock = threading.Lock()  # the file object's swap (rewrite, loop) against fsync (worker)
@@ -324,7 +327,8 @@ class AppendOnlyFile:
     def write_rewrite(self, records: list[bytes]) -> Path:
         """The keyspace's records into a temp file beside the log (worker thread)."""
         temporary = self.path.with_name(self.path.name + ".rewrite")
-        with open(temporary, "wb") as out:
+        temporary.unlink(missing_ok=True)  # a rewrite that died: the daemon's own
+        with create_private(temporary) as out:
             for record in records:
                 out.write(record)
             out.flush()
@@ -342,7 +346,8 @@ class AppendOnlyFile:
         with self._lock:
             self._file.close()
             os.replace(temporary, self.path)
-            self._file = open(self.path, "ab")  # noqa: SIM115
+            fsync_directory(self.path.parent)
+            self._file = open_private_log(self.path)
         self.base_size = self.synced_size = self.size()
         self.rewrites += 1
 
@@ -355,6 +360,13 @@ class AppendOnlyFile:
         self.sync()
         with self._lock:
             self._file.close()
+
+
+def open_private_log(path: Path) -> BinaryIO:
+    """The log, opened to append, only this user's to read (an existing one is tightened); never a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    os.fchmod(fd, PRIVATE_FILE)
+    return os.fdopen(fd, "ab")
 
 
 def read_log(path: Path) -> tuple[list[list[bytes]], int]:

@@ -35,7 +35,7 @@ from pathlib import Path
 from reame.cache import codec
 from reame.cache.codec import CodecUnavailable
 from reame.errors import CacheError
-from reame.files import FileLock, pack_tokens, unpack_tokens
+from reame.files import FileLock, create_private, fsync_directory, pack_tokens, private_directory, unpack_tokens
 
 log = logging.getLogger("reame.cache")
 
@@ -154,13 +154,15 @@ def _compression_pays(blob: bytes | memoryview) -> bool:
 
 def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
                      pause: Callable[[], None] = lambda: None) -> None:
-    """`parts` and their crc32 trailer to a temp file in the same directory, fsync, rename: readers see
-    all of it or nothing. `pause()` is called between slices of WRITE_SLICE bytes: it may sleep
-    while the cores are better spent elsewhere."""
+    """`parts` and their crc32 trailer to a new private temp file in the same directory, fsync, rename,
+    fsync the directory: readers see all of it or nothing, and once this returns it survives a crash.
+    `pause()` is called between slices of WRITE_SLICE bytes: it may sleep while the cores are better spent
+    elsewhere."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.unlink(missing_ok=True)  # a leftover of this same process and thread (it died mid-write)
     crc = 0
     try:
-        with temporary.open("wb") as out:
+        with create_private(temporary) as out:
             for part in parts:
                 view = memoryview(part).cast("B")
                 for start in range(0, len(view), WRITE_SLICE):
@@ -173,6 +175,7 @@ def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
+        fsync_directory(path.parent)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
@@ -201,7 +204,7 @@ class DiskStore:
         # file is only ever replaced by a rename (a new inode), never changed in place, so a restore
         # from one of them skips the checksum (16 ms for a 112 MB snapshot here).
         self._verified: dict[str, FileIdentity] = {}
-        directory.mkdir(parents=True, exist_ok=True)
+        private_directory(directory)
         with self._locked():
             self._remove_abandoned_writes()
             self._enforce_budget()
