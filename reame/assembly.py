@@ -142,8 +142,9 @@ def server_settings(settings: Settings, default_model_id: str) -> ServerSettings
     server = settings.server
     return ServerSettings(
         host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
-        max_connections=server.max_connections, max_body_bytes=server.max_body_bytes,
-        idle_timeout_s=server.idle_timeout_s, request_timeout_s=server.request_timeout_s,
+        max_connections=server.max_connections, max_requests=server.max_requests, max_body_bytes=server.max_body_bytes,
+        idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
+        request_timeout_s=server.request_timeout_s,
         grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
         request_log=server.request_logging, metrics=server.metrics)
 
@@ -162,7 +163,7 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
                  facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
         return new_engine(backend, settings, serving=True).start()
 
-    sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint())
+    sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)
     return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint()))
 
 

@@ -60,10 +60,15 @@ KEYS: tuple[Key, ...] = (
     Key("server.api_key", "str", "", "bearer key(s) clients must send, comma-separated; empty = no auth"),
     Key("server.api_key_file", "str", "", "file with one bearer key per line (added to server.api_key)"),
     Key("server.cors_origin", "str", "", "CORS: '' = off, '*' or an origin to allow browsers from"),
-    Key("server.max_connections", "int", 64, "open connections at once; more get 503", minimum=1),
+    Key("server.max_connections", "int", 256, "open connections at once (each costs a thread); past it the longest "
+        "idle keep-alive connection is closed to make room, or the newcomer gets 503", minimum=1),
+    Key("server.max_requests", "int", 64, "requests answered at once; more get 503 with Retry-After "
+        "(GET /health is always answered)", minimum=1),
     Key("server.max_request_size_mb", "float", 10, "largest request body; larger gets 413", minimum=0.001),
     Key("server.idle_timeout_seconds", "float", 30, "close a connection idle (or sending) this long",
         minimum=0.1),
+    Key("server.header_timeout_seconds", "float", 10, "a new connection must send its first byte, and a request "
+        "its line and headers from its first byte, within this; slower gets 408 (or a quiet close)", minimum=0.1),
     Key("server.request_timeout_seconds", "float", 60,
         "a request (line, headers and body) must arrive this long after its first byte; slower gets 408",
         minimum=0.1),
@@ -74,7 +79,15 @@ KEYS: tuple[Key, ...] = (
         minimum=0),
     Key("server.prefill_chunk_tokens", "int", 128,
         "most prompt tokens fed per step while other streams decode (0 = a whole batch)", minimum=0),
-    Key("server.max_queue", "int", 32, "requests waiting for a sequence slot; more get 429", minimum=1),
+    Key("server.max_queue", "int", 32, "generations waiting for a sequence slot (each of a request's n or "
+        "best_of counts); more get 429", minimum=1),
+    Key("server.max_sessions", "int", 256, "sessions the server holds in all; creating more gets 429", minimum=1),
+    Key("server.max_sessions_per_key", "int", 32, "sessions one API key may hold; creating more gets 429",
+        minimum=1),
+    Key("server.sessions_ram_mb", "float", 256, "most MiB of session KV kept in RAM; past it the least recently "
+        "used idle sessions are written to disk and read back when next used", minimum=0),
+    Key("server.session_idle_hours", "float", 168, "a session unused this long is deleted, in RAM and on disk; "
+        "0 = never", minimum=0),
     Key("server.queue_timeout_seconds", "float", 300, "a request waiting longer for a slot gets 503",
         minimum=0.1),
     Key("server.request_logging", "bool", True, "log one line per HTTP request"),
@@ -160,7 +173,7 @@ def _budget(raw: str) -> str:
 
 UNLIMITED_MB = 1 << 30
 ALIASES: dict[str, Alias] = {alias.old: alias for alias in (
-    Alias("server.max_concurrent_requests", "server.max_connections"),
+    Alias("server.max_concurrent_requests", "server.max_requests"),
     Alias("server.enable_cors", "server.cors_origin", _cors, "true = any origin (*)"),
     Alias("server.enable_metrics", "server.metrics"),
     Alias("server.enable_request_logging", "server.request_logging"),

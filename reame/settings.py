@@ -35,14 +35,26 @@ class MemoryOptions:
 
 
 @dataclass(frozen=True)
+class SessionLimits:
+    """What named sessions may cost (server/sessions.py)."""
+
+    per_key: int = 32  # sessions one API key may hold
+    total: int = 256  # sessions in all
+    ram_bytes: int = 256 << 20  # their states in RAM; past it the least recently used idle ones go to disk
+    idle_s: float = 7 * 86400.0  # a session unused this long is deleted (0: never)
+
+
+@dataclass(frozen=True)
 class ServerOptions:
     host: str
     port: int
     api_keys: tuple[str, ...]
     cors_origin: str
     max_connections: int
+    max_requests: int
     max_body_bytes: int
     idle_timeout_s: float
+    header_timeout_s: float
     request_timeout_s: float
     shutdown_grace_s: float
     model_id: str  # "": the model's name
@@ -50,6 +62,7 @@ class ServerOptions:
     prefill_chunk_tokens: int
     max_queue: int
     queue_timeout_s: float
+    sessions: SessionLimits
     request_logging: bool
     metrics: bool
 
@@ -129,11 +142,14 @@ def from_values(values: dict[str, Value]) -> Settings:
             host=get("server.host"), port=get("server.port"),
             api_keys=api_keys(get("server.api_key"), get("server.api_key_file")),
             cors_origin=get("server.cors_origin"), max_connections=get("server.max_connections"),
-            max_body_bytes=int(get("server.max_request_size_mb") * 2**20),
-            idle_timeout_s=get("server.idle_timeout_seconds"), request_timeout_s=get("server.request_timeout_seconds"),
+            max_requests=get("server.max_requests"), max_body_bytes=int(get("server.max_request_size_mb") * 2**20),
+            idle_timeout_s=get("server.idle_timeout_seconds"), header_timeout_s=get("server.header_timeout_seconds"),
+            request_timeout_s=get("server.request_timeout_seconds"),
             shutdown_grace_s=get("server.shutdown_grace_seconds"), model_id=get("server.model_id"),
             parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
             max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),
+            sessions=SessionLimits(get("server.max_sessions_per_key"), get("server.max_sessions"),
+                                   int(get("server.sessions_ram_mb") * 2**20), get("server.session_idle_hours") * 3600),
             request_logging=get("server.request_logging"), metrics=get("server.metrics")),
         cache=CacheOptions(
             enabled=get("cache.enabled"),

@@ -1,12 +1,23 @@
 """HTTP transport: a bounded ThreadingHTTPServer, keep-alive, limits, auth, CORS, SSE.
 
-One thread per connection, at most `max_connections` at once (the next gets a
-503 and is closed). HTTP/1.1 keep-alive with exact Content-Length on every
-response; a connection idle for `idle_timeout_s` (or a client that sends its
-request too slowly) is closed. Request bodies come with Content-Length or
-chunked, under the size limit; a body no route reads is drained before the next
-request (or the connection is closed), so an error never desynchronises a
-keep-alive connection. SSE responses end the connection. Routing and the OpenAI logic live in openai_api.py.
+An open connection costs a thread; a request being answered costs what its
+route does. So the two are bounded apart: at most `max_connections` open
+sockets (past it the oldest idle keep-alive connection is closed to make room,
+and with none idle the newcomer gets a 503), and at most `max_requests`
+requests answered at once (past it a 503 with Retry-After; `/health` is never
+refused). A new connection must start its request within `header_timeout_s`
+and a request's line and headers must arrive within `header_timeout_s` of its
+first byte, its body within `request_timeout_s`; a connection idle for
+`idle_timeout_s` between requests is closed. Framing follows RFC 9112 to the
+letter (digits-only Content-Length, no conflicting duplicates, no
+Content-Length beside Transfer-Encoding, no obs-fold, no space before a
+header's colon, hex-only chunk sizes): anything else is a 400 and a closed
+connection, so no proxy in front can read a request's end elsewhere than we do.
+A body is read (under the size limit) before its route takes a request slot,
+and a body no route reads is drained before the next request (or the
+connection is closed), so an error never desynchronises a keep-alive
+connection. SSE responses end the connection. Routing and the OpenAI logic
+live in openai_api.py.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import hmac
 import io
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -22,7 +34,10 @@ import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
+
+from reame.server.sessions import key_owner
 
 log = logging.getLogger("reame.server")
 
@@ -31,6 +46,14 @@ MAX_CHUNK_LINE_BYTES = 4096
 LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
 MAX_TRAILER_LINES = 64
+DIGITS = re.compile(r"[0-9]+")
+HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]+")
+OWS = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
+# An idle keep-alive connection is closed to make room for a new one only after this long idle: one that just
+# finished a request is likely to send its next.
+EVICTABLE_AFTER_S = 0.5
+UNLIMITED_ROUTES = ("/health",)  # answered even when every request slot is taken: what a monitor asks
+MAX_REFUSING = 32  # refused connections answered (503, lingering close) at once; past it they are just closed
 
 
 @dataclass(frozen=True)
@@ -39,9 +62,11 @@ class ServerSettings:
     port: int = 8080
     api_keys: tuple[str, ...] = ()
     cors_origin: str = ""  # "" = CORS off; "*" or an origin to allow
-    max_connections: int = 64
+    max_connections: int = 256  # open sockets
+    max_requests: int = 64  # requests being answered at once
     max_body_bytes: int = 10 << 20
     idle_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
     request_timeout_s: float = 60.0  # the whole request, from its first byte
     model_id: str = "reame"
     grace_s: float = 30.0
@@ -64,29 +89,40 @@ class HttpError(Exception):
 
 
 class RequestReader(io.RawIOBase):
-    """A connection's input, with two clocks. A read waits at most `idle_s`; and from a request's first
-    byte, the whole request (line, headers, body) must arrive within `request_s`, so a client that
-    trickles one byte at a time is cut off (408) instead of holding a connection forever. The socket's
-    own timeout stays `idle_s` between reads, for the writes of the answer."""
+    """A connection's input, with its clocks. Before a request's first byte a read waits at most `first_s`
+    (`header_s` on a new connection, `idle_s` between requests); from that byte, the line and headers must
+    arrive within `header_s` and, once they have (`headers_read`), the whole request within `request_s`, so a
+    client that trickles one byte at a time is cut off (408) instead of holding a connection. Between reads
+    inside a request it waits at most `idle_s`. The socket's own timeout stays `idle_s`, for the answer's
+    writes. `on_first_byte` tells the server the connection is no longer idle."""
 
-    def __init__(self, sock: socket.socket, idle_s: float, request_s: float) -> None:
+    def __init__(self, sock: socket.socket, idle_s: float, header_s: float, request_s: float,
+                 on_first_byte: Callable[[], None]) -> None:
         super().__init__()
-        self.sock, self.idle_s, self.request_s = sock, idle_s, request_s
-        self.deadline: float | None = None  # set by a request's first byte
+        self.sock, self.idle_s, self.header_s, self.request_s = sock, idle_s, header_s, request_s
+        self.on_first_byte = on_first_byte
+        self.first_s = header_s
+        self.started_at: float | None = None  # the current request's first byte
+        self.deadline: float | None = None
 
     def readable(self) -> bool:
         return True
 
-    def next_request(self) -> None:
-        self.deadline = None
+    def next_request(self, first: bool) -> None:
+        self.started_at = self.deadline = None
+        self.first_s = self.header_s if first else self.idle_s
+
+    def headers_read(self) -> None:
+        if self.started_at is not None:
+            self.deadline = self.started_at + self.request_s
 
     @property
     def started(self) -> bool:
         """Whether the current request's first byte has arrived."""
-        return self.deadline is not None
+        return self.started_at is not None
 
     def readinto(self, buffer: Any) -> int:
-        timeout = self.idle_s
+        timeout = self.idle_s if self.started_at is not None else self.first_s
         if self.deadline is not None:
             timeout = min(timeout, self.deadline - time.monotonic())
             if timeout <= 0:
@@ -96,9 +132,29 @@ class RequestReader(io.RawIOBase):
             received = self.sock.recv_into(buffer)
         finally:
             self.sock.settimeout(self.idle_s)
-        if received and self.deadline is None:
-            self.deadline = time.monotonic() + self.request_s
+        if received and self.started_at is None:
+            self.started_at = time.monotonic()
+            self.deadline = self.started_at + self.header_s
+            self.on_first_byte()
         return received
+
+
+def framing_problem(headers: Any) -> str:
+    """Why a request's framing headers cannot be trusted (RFC 9112 §6, §11.2), or "" when they can."""
+    if headers.defects:
+        return "malformed header line (whitespace before a header's colon, or no colon)"
+    if any("\n" in value or "\r" in value for value in headers.values()):
+        return "a header value folded over lines (obs-fold) is not accepted"
+    lengths = headers.get_all("Content-Length") or []
+    values = {part.strip(OWS) for value in lengths for part in value.split(",")}
+    if any(not DIGITS.fullmatch(value) for value in values):
+        return f"invalid Content-Length: {', '.join(lengths)!r}"
+    if len(values) > 1:
+        return "conflicting Content-Length headers"
+    encodings = headers.get_all("Transfer-Encoding")
+    if encodings is not None and lengths:
+        return "Content-Length together with Transfer-Encoding"
+    return ""
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -107,20 +163,27 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     server: "ReameHTTPServer"
 
+    owner = ""  # whose request this is: set by `authorized()`
+
     def setup(self) -> None:
         settings = self.server.settings
         self.timeout = settings.idle_timeout_s
         self.body_read, self.body, self.response_started = False, None, False
+        self.requests_served = 0
         super().setup()
-        self.reader = RequestReader(self.connection, settings.idle_timeout_s, settings.request_timeout_s)
+        self.reader = RequestReader(self.connection, settings.idle_timeout_s, settings.header_timeout_s,
+                                    settings.request_timeout_s, lambda: self.server.busy(self.connection))
         self.rfile = io.BufferedReader(self.reader, 65536)
 
     def handle_one_request(self) -> None:
         """http.server's request loop, except that a request that began but did not arrive in time gets a
         408 before the connection closes (http.server drops it without a word); an idle one just closes."""
-        self.reader.next_request()
+        self.server.idle(self.connection)  # until the next request's first byte (the reader says busy)
+        self.reader.next_request(first=self.requests_served == 0)
+        self.requests_served += 1
         try:
             self.raw_requestline = self.rfile.readline(65537)
+            self.server.busy(self.connection)  # (a pipelined request is read from the buffer: no first byte)
             if len(self.raw_requestline) > 65536:
                 self.requestline, self.request_version, self.command = "", "", ""
                 self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
@@ -130,6 +193,7 @@ class Handler(BaseHTTPRequestHandler):
                 return
             if not self.parse_request():
                 return
+            self.reader.headers_read()
             method = getattr(self, "do_" + self.command, None)
             if method is None:
                 self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
@@ -142,11 +206,36 @@ class Handler(BaseHTTPRequestHandler):
                 self.requestline, self.request_version, self.command = "", "HTTP/1.1", "POST"
                 self.send_json(408, HttpError(408, "the request did not arrive in time", code="timeout").body())
 
+    def parse_request(self) -> bool:
+        """http.server's parsing, then RFC 9112's framing rules it does not check (400 and close)."""
+        if not super().parse_request():
+            return False
+        problem = framing_problem(self.headers)
+        if problem:
+            self.send_error(HTTPStatus.BAD_REQUEST, problem)
+            return False
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.body_read, self.body, self.response_started = False, None, False
-        self.server.app.dispatch(self)
-        if not self.close_connection:
-            self.discard_body()
+        try:
+            self.read_body()  # before a request slot is taken: a slow body costs a thread, not a slot
+        except HttpError as error:
+            self.send_error_json(error)
+            return
+        path = self.path.split("?", 1)[0]
+        if path in UNLIMITED_ROUTES:
+            self.server.app.dispatch(self)
+            return
+        if not self.server.request_slots.acquire(blocking=False):
+            self.close_connection = True
+            self.send_error_json(HttpError(503, f"{self.server.settings.max_requests} requests are being answered; "
+                                           "retry shortly", "server_error", "overloaded", headers={"Retry-After": "1"}))
+            return
+        try:
+            self.server.app.dispatch(self)
+        finally:
+            self.server.request_slots.release()
 
     do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_GET
 
@@ -179,11 +268,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.body_read:
             return self.body
         self.body_read = True
-        encoding = self.headers.get("Transfer-Encoding")
+        encodings = self.headers.get_all("Transfer-Encoding")
         raw_length = self.headers.get("Content-Length")
         try:
-            if encoding is not None:
-                if encoding.strip().lower() != "chunked" or raw_length is not None:
+            if encodings is not None:
+                encoding = ", ".join(encodings)
+                if encoding.strip(OWS).lower() != "chunked":
                     raise HttpError(501, f"Transfer-Encoding {encoding!r} is not supported; send Content-Length "
                                     "or chunked", code="not_implemented")
                 self.body = self._read_chunked(self.server.settings.max_body_bytes)
@@ -198,12 +288,8 @@ class Handler(BaseHTTPRequestHandler):
         return self.body
 
     def _read_length(self, raw_length: str, limit: int) -> bytes:
-        try:
-            length = int(raw_length)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            raise HttpError(400, f"invalid Content-Length: {raw_length!r}", code="bad_request") from None
+        """A body of Content-Length bytes (framing_problem checked the header: digits, no conflict)."""
+        length = int(raw_length.split(",", 1)[0].strip(OWS))
         if length > limit:
             raise HttpError(413, f"request body of {length} bytes exceeds the limit of {limit}",
                             code="payload_too_large")
@@ -217,13 +303,10 @@ class Handler(BaseHTTPRequestHandler):
         parts: list[bytes] = []
         total = 0
         while True:
-            size_line = self._read_line("chunk size")
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-                if size < 0:
-                    raise ValueError
-            except ValueError:
-                raise HttpError(400, "malformed chunk size in a chunked body", code="bad_request") from None
+            digits = self._read_line("chunk size").split(b";", 1)[0].rstrip(b" \t")
+            if not HEX_DIGITS.fullmatch(digits) or len(digits) > 16:
+                raise HttpError(400, "malformed chunk size in a chunked body", code="bad_request")
+            size = int(digits, 16)
             if size == 0:
                 break
             total += size
@@ -264,6 +347,9 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(400, "the request body is not valid JSON", code="invalid_json") from None
 
     def authorized(self) -> bool:
+        """Whether the request carries one of the server's keys; `owner` then names that key (sessions are
+        its own), "" on a server without keys."""
+        self.owner = ""
         keys = self.server.settings.api_keys
         if not keys:
             return True
@@ -271,6 +357,8 @@ class Handler(BaseHTTPRequestHandler):
         token = header[7:] if header.startswith("Bearer ") else ""
         # Compare with every key, so the time taken does not tell which one matched.
         results = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
+        if any(results):
+            self.owner = key_owner(keys[results.index(True)])
         return any(results)
 
     # --- writing ---
@@ -329,11 +417,14 @@ class Handler(BaseHTTPRequestHandler):
         """True when the client closed its end (checked while a non-streamed answer is computed)."""
         if self.server.stopping:
             return False  # our own shutdown(SHUT_RD) looks like a close: let the answer finish
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
+        try:  # poll(), not select(): select fails for a socket numbered 1024 or above
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if not poller.poll(0):
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
         except (OSError, ValueError):
             return True
 
@@ -352,23 +443,61 @@ class ReameHTTPServer(ThreadingHTTPServer):
     def __init__(self, settings: ServerSettings, app: Any) -> None:
         self.settings = settings
         self.app = app
-        self._slots = threading.BoundedSemaphore(settings.max_connections)
-        self._busy = 0
+        self.request_slots = threading.BoundedSemaphore(settings.max_requests)
+        self._refusers = threading.BoundedSemaphore(MAX_REFUSING)  # threads answering refused connections
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._connections: set[socket.socket] = set()
+        # Open connections, and since when each waits idle for its next request (None: a request is under way).
+        self._connections: dict[socket.socket, float | None] = {}
+        self._busy = 0
         self.stopping = False
         super().__init__((settings.host, settings.port), Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        with self._lock:
+            room = len(self._connections) < self.settings.max_connections or self._evict_idle()
+            if room:
+                self._connections[request] = time.monotonic()
+                self._busy += 1
+        if not room:
+            if not self._refusers.acquire(blocking=False):  # a flood: no thread each, just close
+                self.close_request(request)
+                return
             # Answered on a thread of its own: the lingering close must not hold up the accept loop.
             threading.Thread(target=self._refuse, args=(request,), name="reame-refuse", daemon=True).start()
             return
-        with self._lock:
-            self._busy += 1
-            self._connections.add(request)
         super().process_request(request, client_address)
+
+    def _evict_idle(self) -> bool:
+        """Make room by closing the longest idle connection (idle for EVICTABLE_AFTER_S at least); lock held."""
+        now = time.monotonic()
+        idle = [(since, connection) for connection, since in self._connections.items()
+                if since is not None and now - since >= EVICTABLE_AFTER_S]
+        if not idle:
+            return False
+        connection = min(idle, key=lambda pair: pair[0])[1]
+        self._connections[connection] = None  # its thread ends it; it no longer counts as idle meanwhile
+        try:
+            connection.shutdown(socket.SHUT_RDWR)  # wakes its thread, which sees the end and closes
+        except OSError:
+            pass
+        return True
+
+    def idle(self, connection: socket.socket) -> None:
+        with self._lock:
+            if connection in self._connections:
+                self._connections[connection] = time.monotonic()
+
+    def connections(self) -> dict[str, int]:
+        """Open connections: answering or receiving a request ("busy"), or waiting for one ("idle")."""
+        with self._lock:
+            idle = sum(1 for since in self._connections.values() if since is not None)
+            return {"busy": len(self._connections) - idle, "idle": idle}
+
+    def busy(self, connection: socket.socket) -> None:
+        with self._lock:
+            if self._connections.get(connection) is not None:
+                self._connections[connection] = None
 
     def _refuse(self, request: socket.socket) -> None:
         body = json.dumps(HttpError(503, "too many connections, retry later", "server_error",
@@ -380,7 +509,10 @@ class ReameHTTPServer(ThreadingHTTPServer):
             request.sendall(head + body)
         except OSError:
             pass
-        self.shutdown_request(request)
+        try:
+            self.shutdown_request(request)
+        finally:
+            self._refusers.release()
 
     def shutdown_request(self, request: Any) -> None:
         """Close gracefully: stop sending, then read and drop what the client still sends (a request we
@@ -403,10 +535,9 @@ class ReameHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
             with self._lock:
                 self._busy -= 1
-                self._connections.discard(request)
+                self._connections.pop(request, None)
                 self._idle.notify_all()
 
     def drain(self, timeout_s: float) -> bool:

@@ -29,8 +29,8 @@ from reame.server.answers import AnswerCache, AnswerTap, StoredAnswer
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
-from reame.server.structured import requested_grammar
-from reame.server.tools import ToolRequest, forced_call_grammar, template_messages, tool_parser, tool_request
+from reame.server.structured import forced_tool_grammar, requested_grammar
+from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, best_of, chat_messages, check_model,
                                      completion_prompts, embedding_inputs, sampling_params, stream_usage)
 
@@ -143,6 +143,10 @@ class App:
             handler.send_error_json(as_http_error(error))
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True
+        except RecursionError:  # input nested deeper than a check below foresaw: the input's fault, not a bug
+            handler.close_connection = True
+            if not handler.response_started:
+                handler.send_error_json(HttpError(400, "the request is nested too deeply", code="invalid_value"))
         except Exception:  # a bug: the client gets a 500 in OpenAI's shape, the log the traceback, once
             log.exception("unexpected error answering %s %s", handler.command, path)
             handler.close_connection = True
@@ -323,29 +327,29 @@ class App:
         wanted = Fields(body).body.get("id")
         if wanted is not None and not isinstance(wanted, str):
             raise Fields(body).bad("id", "a string")
-        session_id = sessions.create(wanted)
+        session_id = sessions.create(handler.owner, wanted)
         handler.send_json(200, {"id": session_id, "object": "session"})
 
     def session(self, handler: Handler, path: str) -> None:
-        sessions = self.ready_sessions()
+        sessions, owner = self.ready_sessions(), handler.owner
         session_id, _, action = path[len("/v1/sessions/"):].partition("/")
         if action == "" and handler.command == "GET":
-            handler.send_json(200, sessions.describe(session_id))
+            handler.send_json(200, sessions.describe(owner, session_id))
         elif action == "" and handler.command == "DELETE":
-            sessions.delete(session_id)
+            sessions.delete(owner, session_id)
             handler.send_json(200, {"id": session_id, "deleted": True})
         elif action == "save" and handler.command == "POST":
-            sessions.save(session_id)
-            handler.send_json(200, sessions.describe(session_id))
+            sessions.save(owner, session_id)
+            handler.send_json(200, sessions.describe(owner, session_id))
         elif action == "load" and handler.command == "POST":
-            sessions.load(session_id)
-            handler.send_json(200, sessions.describe(session_id))
+            sessions.load(owner, session_id)
+            handler.send_json(200, sessions.describe(owner, session_id))
         elif action in ("", "save", "load"):
             raise HttpError(405, f"{handler.command} is not allowed on this session path", code="method_not_allowed")
         else:
             raise HttpError(404, f"unknown session action: {action}", code="not_found")
 
-    def session_for(self, fields: Fields, n: int, prompts: list[Any]) -> tuple[str, Any] | None:
+    def session_for(self, owner: str, fields: Fields, n: int, prompts: list[Any]) -> tuple[str, Any] | None:
         session_id = fields.body.get("session")
         if session_id is None:
             return None
@@ -354,7 +358,7 @@ class App:
         if n != 1 or len(prompts) != 1:
             raise HttpError(400, "a session continues one conversation: use n = 1 and one prompt", param="session",
                             code="invalid_value")
-        return session_id, self.ready_sessions().acquire(session_id)
+        return session_id, self.ready_sessions().acquire(owner, session_id)
 
     # --- generation ---
 
@@ -396,7 +400,7 @@ class App:
             if grammar is not None:
                 raise HttpError(400, "a forced tool call already fixes the answer's shape: drop response_format",
                                 param="response_format", code="invalid_value")
-            grammar = forced_call_grammar(tools)
+            grammar = forced_tool_grammar(tools)
         messages = chat_messages(fields.body.get("messages"))
         max_tokens = fields.integer("max_completion_tokens", None, 1, None)
         if max_tokens is None:
@@ -416,13 +420,17 @@ class App:
                  elect_among: int = 1) -> None:
         """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts."""
         n = fields.integer("n", 1, 1, MAX_CHOICES)
+        assert n is not None
+        if len(prompts) * max(n, elect_among) > MAX_CHOICES:
+            raise HttpError(400, f"a request asks at most {MAX_CHOICES} generations in all (prompts × n × best_of); "
+                            f"this one asks {len(prompts) * max(n, elect_among)}", param="n", code="invalid_value")
         stream = fields.boolean("stream", False)
         include_usage = stream_usage(fields)
         seed = fields.integer("seed", None, 0, 2**32 - 2)
         if elect_among > 1 and stream:
             raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
                             "streamed", param="best_of", code="unsupported_parameter")
-        reserved = self.session_for(fields, max(n, elect_among), prompts)
+        reserved = self.session_for(handler.owner, fields, max(n, elect_among), prompts)
         session = reserved[1] if reserved else None
 
         released = False
@@ -434,7 +442,7 @@ class App:
             nonlocal released
             if reserved and not released:
                 released = True
-                self.ready_sessions().release(reserved[0])
+                self.ready_sessions().release(handler.owner, reserved[0])
         try:
             sink: queue.SimpleQueue = queue.SimpleQueue()
             base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
@@ -554,6 +562,8 @@ class App:
             raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
                             "server_error", "queue_timeout", headers={"Retry-After": "5"})
         failed = next((c.finish for c in choices if c.finish and c.finish.reason == "error"), None)
+        if failed is not None and failed.code:  # the request's own doing (its grammar): the client can fix it
+            raise HttpError(400, failed.message, code=failed.code)
         if failed is not None:
             raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
         if elections is None:
@@ -612,9 +622,10 @@ class App:
                 if not remaining:
                     finished()
                 if event.reason in ("error", "timeout"):
-                    handler.send_event({"error": {"message": event.message, "type": "server_error", "param": None,
-                                                  "code": "generation_failed" if event.reason == "error"
-                                                  else "queue_timeout"}})
+                    code = event.code or ("generation_failed" if event.reason == "error" else "queue_timeout")
+                    kind = "invalid_request_error" if event.code else "server_error"
+                    handler.send_event({"error": {"message": event.message, "type": kind, "param": None,
+                                                  "code": code}})
                     continue
                 text = event.text
                 if choice.parser is not None:
@@ -708,7 +719,7 @@ def canonical_path(path: str) -> str:
 def as_http_error(error: HttpError | SessionError | EngineUnavailable) -> HttpError:
     """The HTTP answer to an error of the layers below."""
     if isinstance(error, SessionError):
-        return HttpError(error.status, str(error), param=error.param, code=error.code)
+        return HttpError(error.status, str(error), param=error.param, code=error.code, headers=error.headers)
     if isinstance(error, EngineUnavailable):
         return HttpError(503, str(error), "server_error", "engine_unavailable", headers={"Retry-After": "5"})
     return error

@@ -16,6 +16,7 @@ from reame.engine import Engine
 from reame.errors import ListenError
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.answers import AnswerCache
+from reame.server.metrics import Sample
 from reame.server.openai_api import App
 from reame.server.sessions import Sessions
 
@@ -30,6 +31,8 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
         server = ReameHTTPServer(settings, app)
     except OSError as error:
         raise ListenError(settings.host, settings.port, error) from None
+    app.metrics.collector(lambda: [Sample("reame_http_connections", "gauge", "open HTTP connections, by state",
+                                          {"state": state}, count) for state, count in server.connections().items()])
     host, port = server.server_address[:2]
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -101,7 +101,7 @@ def test_the_original_reames_shipped_config_file_loads_with_warnings_only(caplog
     original = Path(__file__).resolve().parents[1] / "fixtures" / "original-reame.conf"
     with caplog.at_level("WARNING", logger="reame.config"):
         values = config.load(original, env={})
-    assert values["server.max_connections"].value == 10
+    assert values["server.max_requests"].value == 10
     assert values["server.cors_origin"].value == "*" and values["server.metrics"].value is True
     assert values["speculative.lookup"].value is True and values["speculative.max_draft_tokens"].value == 8
     assert values["cache.dir"].value == ".reame-cache" and values["cache.disk_mb"].value == 20480

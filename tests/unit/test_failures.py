@@ -12,6 +12,8 @@ from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import FakeBackend, gated_rule
 from reame.errors import EngineUnavailable
 
+from tests.waiting import wait_until
+
 from .test_server import Live, RawConnection, read_sse
 
 
@@ -132,7 +134,8 @@ def test_too_many_connections_get_a_503_answer_never_a_reset(engine):
     server = Live(engine, max_connections=1)
     holder = RawConnection(server.port)
     try:
-        assert holder.exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200  # holds the one slot
+        holder.sock.sendall(b"GET /health HTTP/1.1\r\n")  # mid-request, so not an idle connection to close
+        wait_until(lambda: server.server.connections() == {"busy": 1, "idle": 0}, what="the holder to be busy")
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n" +

@@ -71,11 +71,12 @@ SESSION_SAVER = """
     from reame.engine import SessionState
     from reame.server.sessions import Sessions
     sessions = Sessions(Path(sys.argv[1]), b"model")
-    session = sessions.get(sessions.create("chat"))
+    session = sessions.acquire("", sessions.create("", "chat"))
+    sessions.release("", "chat")
     for turn in range(100):
         session.state = SessionState(tuple(range(turn + 1)), bytes([turn]) * {blob})
         print(turn, flush=True)
-        sessions.save("chat")
+        sessions.save("", "chat")
 """.replace("{blob}", str(BLOB_BYTES))
 
 
@@ -83,11 +84,11 @@ def test_a_session_save_killed_midway_restarts_with_the_last_whole_save(tmp_path
     kill_mid_write(start_child(SESSION_SAVER, str(tmp_path)), tmp_path, writes=3)  # turns 0, 1 saved; 2 cut
     sessions = Sessions(tmp_path, b"model")
     try:
-        sessions.load("chat")
+        sessions.load("", "chat")
     except SessionError as error:  # killed before the first save finished: nothing to load, nothing wrong
         assert error.code == "session_not_found"
         return
-    state = sessions.get("chat").state
+    state = sessions.acquire("", "chat").state
     turn = len(state.tokens) - 1
     assert turn >= 0 and state.tokens == tuple(range(turn + 1))  # the tokens and blob of one and the same save
     assert bytes(state.blob) == bytes([turn]) * BLOB_BYTES

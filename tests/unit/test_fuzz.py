@@ -158,10 +158,10 @@ def test_a_damaged_snapshot_fails_only_with_a_cache_error(data):
 def test_a_damaged_session_file_fails_only_with_a_session_error(data):
     with tempfile.TemporaryDirectory() as directory:
         sessions = Sessions(Path(directory), b"model")
-        path = sessions.path("fuzzed")
+        path = sessions.path("", "fuzzed")
         path.write_bytes(data)
         try:
-            sessions.load("fuzzed")
+            sessions.load("", "fuzzed")
         except SessionError as error:
             assert error.status in (404, 409)
 

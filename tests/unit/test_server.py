@@ -465,8 +465,13 @@ def test_chunked_request_bodies_are_read_like_content_length_ones(live):
     (chunked(BODY).replace(b"5;ext=1", b"zz"), 400),
     (chunked(BODY).replace(b"5;ext=1", b"-5"), 400),
     (chunked(BODY).replace(b"5;ext=1", b"9"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b"5_0"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b"+5"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b"0x5"), 400),
+    (chunked(BODY).replace(b"5;ext=1", b" 5"), 400),
     (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
-    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n", 501),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n", 400),
 ])
 def test_malformed_chunked_bodies_are_refused_and_the_connection_closed(live, request_bytes, status):
     connection = RawConnection(live.port)
@@ -474,6 +479,39 @@ def test_malformed_chunked_bodies_are_refused_and_the_connection_closed(live, re
         code, _, response = connection.exchange(request_bytes)
         assert code == status and response.getheader("Connection") == "close"
         assert connection.closed_by_server()
+    finally:
+        connection.close()
+
+
+FRAMED = b'{"prompt": "hi", "max_tokens": 1}'  # 33 bytes
+
+
+@pytest.mark.parametrize("header", [
+    b"Content-Length: +33", b"Content-Length: 3_3", b"Content-Length: \x0b33", b"Content-Length: 33\r\n 0",
+    b"Content-Length: 33\r\nContent-Length: 34", b"Content-Length: 33, 34", b"Content-Length : 33",
+    b"Content-Length: 0x21", b"Content-Length: \xd9\xa3\xd9\xa3", b"Content-Length: 33\r\nX-Folded: a\r\n b",
+])
+def test_a_request_whose_framing_another_parser_could_read_otherwise_is_400_and_closed(live, header):
+    """RFC 9112 framing, to the letter: behind a proxy that reads these differently, any leniency is smuggling."""
+    connection = RawConnection(live.port)
+    try:
+        code, body, response = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header +
+                                                   b"\r\n\r\n" + FRAMED)
+        assert code == 400 and response.getheader("Connection") == "close", body
+        assert json.loads(body)["error"]["code"] == "bad_request"
+        assert connection.closed_by_server()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("header", [b"Content-Length: 33", b"Content-Length:33", b"Content-Length:  33 ",
+                                    b"Content-Length: 33\r\nContent-Length: 33", b"Content-Length: 33, 33"])
+def test_well_framed_requests_are_read(live, header):
+    connection = RawConnection(live.port)
+    try:
+        code, body, _ = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header +
+                                            b"\r\n\r\n" + FRAMED)
+        assert code == 200, body
     finally:
         connection.close()
 
@@ -806,12 +844,12 @@ def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkey
 
     def send_json(self, status, body, *args, **kwargs):
         if isinstance(body, dict) and "choices" in body:
-            busy_when_sent.append(set(sessions._busy))
+            busy_when_sent.append({key for key, entry in sessions._entries.items() if entry.busy})
         return original_json(self, status, body, *args, **kwargs)
 
     def send_event(self, event):
         if event == "[DONE]":
-            busy_when_sent.append(set(sessions._busy))
+            busy_when_sent.append({key for key, entry in sessions._entries.items() if entry.busy})
         return original_event(self, event)
     monkeypatch.setattr(Handler, "send_json", send_json)
     monkeypatch.setattr(Handler, "send_event", send_event)
@@ -832,19 +870,19 @@ def test_a_finished_request_never_frees_the_session_for_the_next_turn(with_sessi
 
     def send_json(self, status, body, *args, **kwargs):
         if isinstance(body, dict) and "choices" in body:
-            sessions.acquire(session_id)  # the client's next turn arrives
+            sessions.acquire("", session_id)  # the client's next turn arrives
         return original_json(self, status, body, *args, **kwargs)
 
     def send_event(self, event):
         if event == "[DONE]":
-            sessions.acquire(session_id)
+            sessions.acquire("", session_id)
         return original_event(self, event)
     monkeypatch.setattr(Handler, "send_json", send_json)
     monkeypatch.setattr(Handler, "send_event", send_event)
     with_sessions.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 4, "session": session_id,
                                                            "stream": stream})
-    assert sessions._busy == {session_id}
+    assert {key for key, entry in sessions._entries.items() if entry.busy} == {("", session_id)}
 
 
 def test_without_zstandard_sessions_save_and_load_raw(no_zstandard, with_sessions, tmp_path):
