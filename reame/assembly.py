@@ -74,7 +74,8 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     with the server's queue limits."""
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
-                                  prefill_chunk_tokens=server.prefill_chunk_tokens) if serving else {}
+                                  prefill_chunk_tokens=server.prefill_chunk_tokens,
+                                  max_answer_tokens=server.max_answer_tokens) if serving else {}
     speculation = new_speculation(backend, settings, serving) if speculate else None
     return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation, **limits)
 

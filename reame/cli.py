@@ -20,6 +20,7 @@ from typing import Any
 from reame import __version__, assembly, catalog, config, fetch
 from reame.arca import server as arca_server
 from reame.arca.server import ArcaSettings
+from reame.arca.store import AOF_NAME, check_log
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     arca.add_argument("--max-mb", dest="arca_max_mb", type=non_negative_float,
                       help="byte budget in MiB, least recently used keys evicted past it (256; 0 = no limit)")
     arca.add_argument("--requirepass", dest="arca_requirepass", help="password clients must AUTH with")
+    arca.add_argument("--check-aof", action="store_true",
+                      help="check the append-only file instead of serving: exit 0 when it loads whole, 1 when damaged")
+    arca.add_argument("--fix", action="store_true",
+                      help="with --check-aof: move a damaged file aside and keep the commands before the damage")
     add_common_flags(arca, default=argparse.SUPPRESS)
     commands.add_parser("list", help="the model catalog and what is on disk")
     pull = commands.add_parser("pull", help="download a catalog model without running it")
@@ -391,13 +396,20 @@ def read_text_file(name: str) -> str:
     return text
 
 
-def command_arca(settings: Settings) -> int:
+def command_arca(settings: Settings, check_aof: bool = False, fix: bool = False) -> int:
     options = settings.arca
+    if fix and not check_aof:
+        raise ConfigError("--fix goes with --check-aof")
+    if check_aof:
+        sound, report = check_log(options.directory / AOF_NAME, fix)
+        print(report)
+        return EXIT_OK if sound else EXIT_RUNTIME
     if options.host not in ("127.0.0.1", "localhost", "::1") and not options.requirepass:
         log.warning("ARCA listens on %s without a password: anyone who can reach it can read and change it "
                     "(set --requirepass)", options.host)
     return arca_server.run(ArcaSettings(options.host, options.port, options.directory, options.max_bytes,
-                                        options.requirepass))
+                                        options.requirepass, options.max_clients, options.timeout_s,
+                                        options.max_query_bytes))
 
 
 def command_list() -> int:
@@ -465,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "warm":
             return command_warm(args, settings)
         if args.command == "arca":
-            return command_arca(settings)
+            return command_arca(settings, args.check_aof, args.fix)
         if args.config:
             return command_config_mode(args, settings)
         parser.print_help(sys.stderr)

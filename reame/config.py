@@ -81,6 +81,8 @@ KEYS: tuple[Key, ...] = (
         "most prompt tokens fed per step while other streams decode (0 = a whole batch)", minimum=0),
     Key("server.max_queue", "int", 32, "generations waiting for a sequence slot (each of a request's n or "
         "best_of counts); more get 429", minimum=1),
+    Key("server.max_answer_tokens", "int", 4096, "the most tokens one answer gets, whatever its request asks "
+        "(a larger max_tokens is clamped: finish_reason length); 0 = what the context leaves", minimum=0),
     Key("server.max_sessions", "int", 256, "sessions the server holds in all; creating more gets 429", minimum=1),
     Key("server.max_sessions_per_key", "int", 32, "sessions one API key may hold; creating more gets 429",
         minimum=1),
@@ -107,6 +109,11 @@ KEYS: tuple[Key, ...] = (
     Key("arca.max_mb", "float", 256, "`reame arca`'s byte budget; least recently used keys are evicted past it; "
         "0 = no limit", minimum=0),
     Key("arca.requirepass", "str", "", "password clients must send (AUTH) to `reame arca`; empty = none"),
+    Key("arca.max_clients", "int", 256, "`reame arca`'s open connections at most (Redis's maxclients)", minimum=1),
+    Key("arca.timeout_seconds", "float", 300, "`reame arca` closes a client idle this long (Redis's timeout); "
+        "0 = never", minimum=0),
+    Key("arca.client_query_buffer_mb", "float", 32, "most MiB of one client's unparsed input to `reame arca` "
+        "(Redis's client-query-buffer-limit); past it the client is refused and closed", minimum=0.01),
     Key("arca.remote", "str", "", "a serving node's shared store, redis://[:password@]host:port/0 (ARCA or a "
         "real Redis/Valkey): exact answers; empty = none"),
     Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",

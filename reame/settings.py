@@ -62,6 +62,7 @@ class ServerOptions:
     prefill_chunk_tokens: int
     max_queue: int
     queue_timeout_s: float
+    max_answer_tokens: int  # 0: the context's room
     sessions: SessionLimits
     request_logging: bool
     metrics: bool
@@ -106,6 +107,9 @@ class ArcaOptions:
     directory: Path
     max_bytes: int
     requirepass: str
+    max_clients: int
+    timeout_s: float
+    max_query_bytes: int
     remote: str
     answer_ttl_ms: int
 
@@ -148,6 +152,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             shutdown_grace_s=get("server.shutdown_grace_seconds"), model_id=get("server.model_id"),
             parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
             max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),
+            max_answer_tokens=get("server.max_answer_tokens"),
             sessions=SessionLimits(get("server.max_sessions_per_key"), get("server.max_sessions"),
                                    int(get("server.sessions_ram_mb") * 2**20), get("server.session_idle_hours") * 3600),
             request_logging=get("server.request_logging"), metrics=get("server.metrics")),
@@ -169,7 +174,9 @@ def from_values(values: dict[str, Value]) -> Settings:
         embeddings=EmbeddingOptions(get("embeddings.context_length"), get("embeddings.pooling")),
         arca=ArcaOptions(get("arca.host"), get("arca.port"),
                          Path(get("arca.dir")).expanduser() if get("arca.dir") else cache_root() / "arca",
-                         int(get("arca.max_mb") * 2**20), get("arca.requirepass"), get("arca.remote"),
+                         int(get("arca.max_mb") * 2**20), get("arca.requirepass"), get("arca.max_clients"),
+                         get("arca.timeout_seconds"), int(get("arca.client_query_buffer_mb") * 2**20),
+                         get("arca.remote"),
                          int(get("arca.answer_ttl_hours") * 3_600_000)),
         generation=SamplingParams(
             max_tokens=get("generation.max_tokens"), temperature=get("generation.temperature"),

@@ -5,12 +5,18 @@ and one write, with no task switch between them, which is most of what a cheap c
 (GET, PING) costs beside its parsing. A blocked XREAD pauses reading; the commands
 pipelined behind it wait their turn, as in Redis. A client that does not read its
 replies pauses reading too (the transport's flow control), so it cannot make ARCA buffer
-without bound.
+without bound; nor can one that sends: its unparsed input (the query buffer) is bounded
+by `max_query_bytes`, and before it authenticates (where a password is required) its
+commands are read one at a time under Redis's unauthenticated limits (10 items, 16 KiB
+bulks). A connection that sends what a browser sends (`POST`, `Host:`) is closed without
+a word, as Redis does: a web page must not be able to write into the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from reame.arca.connection_commands import Client
@@ -20,12 +26,17 @@ from reame.arca.stream_commands import Blocked
 if TYPE_CHECKING:
     from reame.arca.server import Arca
 
+log = logging.getLogger("reame.arca")
+
+HTTP_COMMANDS = (b"POST", b"HOST:")  # what only a browser (or a cross-protocol attack) sends
+
 
 class Connection(asyncio.Protocol):
     def __init__(self, arca: Arca) -> None:
         self.arca = arca
-        self.parser = RequestParser()
-        self.client = Client("?")
+        settings = arca.settings
+        self.parser = RequestParser(max_bulk=min(settings.max_query_bytes, RequestParser().max_bulk))
+        self.client = Client("?", self._close)
         self.transport: asyncio.Transport | None = None
         self._queued: list[list[bytes]] = []  # commands pipelined behind a blocked one
         self._waiter: asyncio.Task | None = None  # the blocked command's wait
@@ -35,28 +46,65 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.arca.connections_received += 1
+        if len(self.arca.clients) >= self.arca.settings.max_clients:
+            transport.write(encode(Error("ERR max number of clients reached")))
+            self.client.closing = True
+            transport.close()
+            return
         peer = transport.get_extra_info("peername")
         if peer:
             self.client.address = f"{peer[0]}:{peer[1]}"
         self.arca.clients[self.client.id] = self.client
-        self.arca.connections_received += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.arca.clients.pop(self.client.id, None)
         if self._waiter is not None:
             self._waiter.cancel()
 
+    def _unauthenticated(self) -> bool:
+        return bool(self.arca.settings.requirepass) and not self.client.authenticated
+
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:  # what follows bad input is never read
+        if self._refusal is not None or self.client.closing:  # what follows bad input is never read
             return
-        try:
-            commands = self.parser.feed(data)
-        except ProtocolError as error:  # answered after the whole commands ahead of it, as Redis does
-            commands, self._refusal = error.before, error
-        if self._waiter is not None or self.client.closing:
+        self.client.last_active = time.monotonic()
+        if self._unauthenticated():
+            self._before_authentication(data)
+            return
+        commands = self._parse(data)
+        if self._waiter is not None:
             self._queued += commands
             return
         self._run(commands)
+
+    def _before_authentication(self, data: bytes) -> None:
+        """One command at a time, each read under the limits its turn has: AUTH lifts them for the rest."""
+        self.parser.unauthenticated = True
+        commands = self._parse(data, limit=1)
+        while commands and not self.client.closing:
+            self._run(commands)
+            if not self._unauthenticated():
+                self.parser.unauthenticated = False
+                if self._refusal is None:
+                    self._run(self._parse(b""))
+                return
+            commands = self._parse(b"", limit=1) if self._refusal is None else []
+        if self._refusal is not None and not self.client.closing:
+            self._run([])
+
+    def _parse(self, data: bytes, limit: int | None = None) -> list[list[bytes]]:
+        """The whole commands the input now holds; bad input, or a query buffer past its limit, is refused
+        after the commands before it run (as Redis does)."""
+        try:
+            commands = self.parser.feed(data, limit)
+        except ProtocolError as error:
+            commands, self._refusal = error.before, error
+            return commands
+        if self.parser.pending_bytes > self.arca.settings.max_query_bytes:
+            self._refusal = ProtocolError(f"query buffer of {self.parser.pending_bytes} bytes is over the "
+                                          f"client-query-buffer-limit of {self.arca.settings.max_query_bytes}")
+        return commands
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -71,11 +119,17 @@ class Connection(asyncio.Protocol):
         out = bytearray()
         client, execute = self.client, self.arca.execute
         for index, command in enumerate(commands):
+            if command[0].upper() in HTTP_COMMANDS:
+                log.warning("closed a connection from %s that sent %r: something speaks HTTP to ARCA (a web page "
+                            "a browser opened?)", client.address, command[0][:8])
+                self._close()  # as Redis: the replies to what came with it in the same read are not sent
+                return
             reply = execute(client, command)
             if type(reply) is Blocked:
                 self._send(out)
                 self._queued = commands[index + 1:]
                 self._pause_reading()
+                client.blocked = True
                 self._waiter = asyncio.get_running_loop().create_task(self._unblock(reply))
                 return
             out += encode(reply, client.resp3)
@@ -91,6 +145,8 @@ class Connection(asyncio.Protocol):
     async def _unblock(self, blocked: Blocked) -> None:
         reply = await self.arca.wait(blocked)
         self._waiter = None
+        self.client.blocked = False
+        self.client.last_active = time.monotonic()
         self._send(encode(reply, self.client.resp3))
         queued, self._queued = self._queued, []
         if not self._write_paused:
@@ -104,7 +160,7 @@ class Connection(asyncio.Protocol):
             self.transport.write(replies)
 
     def _close(self) -> None:
-        """After the replies already written (QUIT, a protocol error)."""
+        """After the replies already written (QUIT, a protocol error, an idle client)."""
         self.client.closing = True
         if self.transport is not None:
             self.transport.close()

@@ -7,7 +7,7 @@ import hmac
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from reame import __version__
@@ -23,20 +23,22 @@ REDIS_VERSION = "7.0.0"  # the protocol level ARCA speaks, for clients that chec
 
 
 class Client:
-    """One connection's state."""
+    """One connection's state. `disconnect` closes its connection (the daemon's chores call it for an idle one)."""
 
     ids = itertools.count(1)
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, disconnect: Callable[[], None] = lambda: None) -> None:
         self.id = next(Client.ids)
         self.address = address
+        self.disconnect = disconnect
         self.name = b""
         self.library = b""
         self.authenticated = False
         self.resp3 = False
-        self.created = time.monotonic()
+        self.created = self.last_active = time.monotonic()
         self.last_command = b"NULL"
         self.closing = False
+        self.blocked = False  # waiting in XREAD BLOCK: not idle, however long it waits
 
 
 class ConnectionCommands:

@@ -12,6 +12,19 @@ if TYPE_CHECKING:
     from reame.arca.store import Keyspace
 
 
+MAX_MS = 2**63 - 1  # Redis keeps deadlines in a signed 64-bit count of milliseconds
+
+
+def deadline_ms(amount: int, unit_ms: int, relative: bool, allow_past: bool = False) -> int | None:
+    """The absolute deadline `amount` units of `unit_ms` (from now when `relative`) stand for, or None when
+    it is no time Redis can keep (past its 64 bits, or, unless `allow_past`, not after the epoch), which it
+    answers "invalid expire time": such a key would otherwise be kept now and refused when the log replays."""
+    deadline = amount * unit_ms + (now_ms() if relative else 0)
+    if not -MAX_MS <= amount * unit_ms <= MAX_MS or deadline > MAX_MS or (deadline <= 0 and not allow_past):
+        return None
+    return deadline
+
+
 class KeyCommands:
     """Mixed into Arca (server.py): the keyspace and the append-only log are its."""
 
@@ -60,10 +73,10 @@ class KeyCommands:
             elif option in (b"EX", b"PX", b"EXAT", b"PXAT") and expires_at is None and not keep_ttl \
                     and i + 1 < len(options):
                 amount = integer(args[2 + i + 1])
-                if amount <= 0:
+                expires_at = deadline_ms(amount, 1000 if option in (b"EX", b"EXAT") else 1,
+                                         relative=option in (b"EX", b"PX"))
+                if amount <= 0 or expires_at is None:
                     return Error("ERR invalid expire time in 'set' command")
-                expires_at = {b"EX": now_ms() + amount * 1000, b"PX": now_ms() + amount,
-                              b"EXAT": amount * 1000, b"PXAT": amount}[option]
                 i += 1
             else:
                 return Error("ERR syntax error")
@@ -102,26 +115,28 @@ class KeyCommands:
         return Simple("none" if entry is None else "stream" if isinstance(entry.value, Stream) else "string")
 
     def cmd_expire(self, client: Client, args: list[bytes]) -> Reply:
-        return self._expire(args, 1000, relative=True)
+        return self._expire(args, 1000, relative=True, name="expire")
 
     def cmd_pexpire(self, client: Client, args: list[bytes]) -> Reply:
-        return self._expire(args, 1, relative=True)
+        return self._expire(args, 1, relative=True, name="pexpire")
 
     def cmd_expireat(self, client: Client, args: list[bytes]) -> Reply:
-        return self._expire(args, 1000, relative=False)
+        return self._expire(args, 1000, relative=False, name="expireat")
 
     def cmd_pexpireat(self, client: Client, args: list[bytes]) -> Reply:
-        return self._expire(args, 1, relative=False)
+        return self._expire(args, 1, relative=False, name="pexpireat")
 
-    def _expire(self, args: list[bytes], unit_ms: int, relative: bool) -> Reply:
+    def _expire(self, args: list[bytes], unit_ms: int, relative: bool, name: str) -> Reply:
         key, amount, options = args[0], integer(args[1]), {option.upper() for option in args[2:]}
+        deadline = deadline_ms(amount, unit_ms, relative, allow_past=True)
+        if deadline is None:
+            return Error(f"ERR invalid expire time in '{name}' command")
         if not options <= {b"NX", b"XX", b"GT", b"LT"} or len(options) != len(args) - 2 or \
                 (b"NX" in options and len(options) > 1) or {b"GT", b"LT"} <= options:
             return Error("ERR NX and XX, GT or LT options at the same time are not compatible")
         entry = self.keyspace.get_entry(key)
         if entry is None:
             return 0
-        deadline = (now_ms() if relative else 0) + amount * unit_ms
         current = entry.expires_at
         if (b"NX" in options and current is not None) or (b"XX" in options and current is None) or \
                 (b"GT" in options and (current is None or deadline <= current)) or \

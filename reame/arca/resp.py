@@ -18,6 +18,10 @@ from typing import Union
 MAX_BULK_BYTES = 512 * 1024 * 1024  # Redis's proto-max-bulk-len default
 MAX_ARRAY_ITEMS = 1024 * 1024
 MAX_INLINE_BYTES = 64 * 1024
+# Before a client has authenticated (where a password is required), as Redis bounds it.
+UNAUTHENTICATED_BULK_BYTES = 16384
+UNAUTHENTICATED_ARRAY_ITEMS = 10
+ITEM_OVERHEAD = 64  # bytes a parsed item costs beyond its own (the bytes object, its list slot)
 # Array and bulk length headers the fast path (plain_commands) reads by table lookup, not int().
 SMALL_COUNTS = {b"*%d" % count: count for count in range(1, 65)}
 SMALL_HEADERS = tuple(b"$%d" % length for length in range(4096))
@@ -49,25 +53,35 @@ class RequestParser:
     def __init__(self, max_bulk: int = MAX_BULK_BYTES, max_items: int = MAX_ARRAY_ITEMS,
                  max_inline: int = MAX_INLINE_BYTES) -> None:
         self.max_bulk, self.max_items, self.max_inline = max_bulk, max_items, max_inline
+        self.unauthenticated = False  # Redis's tighter limits, with their own error texts
         self._buffer = bytearray()
         self._position = 0  # where the command being read started
         # An array being read: the items read so far, how many are expected, where to read next.
         self._items: list[bytes] | None = None
+        self._items_bytes = 0  # what those items cost (ITEM_OVERHEAD each)
         self._expected = 0
         self._cursor = 0
         self._needed = 0  # bytes the buffer must hold before a retry can progress
 
-    def feed(self, data: bytes) -> list[list[bytes]]:
-        """The complete commands `data` finished (empty ones dropped); ProtocolError on bad input."""
+    @property
+    def pending_bytes(self) -> int:
+        """What input not yet made into whole commands holds: Redis's query buffer."""
+        return len(self._buffer) - self._position + self._items_bytes
+
+    def feed(self, data: bytes, limit: int | None = None) -> list[list[bytes]]:
+        """The complete commands `data` finished (empty ones dropped), at most `limit` (the rest stays for
+        the next call: an unauthenticated client's commands are read one at a time, each under the limits
+        its turn has); ProtocolError on bad input."""
         commands: list[list[bytes]] = []
-        if not self._buffer and self._items is None and len(data) <= self.max_bulk:
+        if limit is None and not self.unauthenticated and not self._buffer and self._items is None and \
+                len(data) <= self.max_bulk:
             # Nothing pending: the whole, plain commands at the start go the fast way (a pipeline mostly is).
             commands, used = plain_commands(data, self.max_items, self.max_inline)
             if used == len(data):
                 return commands
             data = data[used:]
         self._buffer += data
-        while True:
+        while limit is None or len(commands) < limit:
             if len(self._buffer) < self._needed:
                 break
             try:
@@ -86,21 +100,24 @@ class RequestParser:
             self._position = 0
         return commands
 
-    def whole_commands(self, data: bytes) -> tuple[list[list[bytes]], int]:
-        """The whole commands at the start of `data`, which holds RESP arrays only (an append-only file),
-        and how many bytes they take: parsing stops at the first malformed or unfinished one."""
+    def whole_commands(self, data: bytes) -> tuple[list[list[bytes]], int, bool]:
+        """The whole commands at the start of `data`, which holds RESP arrays only (an append-only file), how
+        many bytes they take, and whether parsing stopped at a malformed command (else at the end of `data`,
+        or in an unfinished one)."""
         self._buffer += data
         commands = []
-        while self._position < len(self._buffer) and self._buffer[self._position] == ord("*"):
+        while self._position < len(self._buffer):
+            if self._buffer[self._position] != ord("*"):
+                return commands, self._position, True
             try:
                 command = self._next()
             except ProtocolError:
-                break
+                return commands, self._position, True
             if command is None:
                 break
             if command:
                 commands.append(command)
-        return commands, self._position
+        return commands, self._position, False
 
     def _next(self) -> list[bytes] | None:
         buffer = self._buffer
@@ -113,6 +130,8 @@ class RequestParser:
             if end < 0:
                 return None
             count = self._number(buffer[self._position + 1:end], "multibulk length")
+            if self.unauthenticated and count > UNAUTHENTICATED_ARRAY_ITEMS:
+                raise ProtocolError("unauthenticated multibulk length")
             if count > self.max_items:
                 raise ProtocolError("invalid multibulk length")
             self._cursor = end + 2
@@ -139,6 +158,8 @@ class RequestParser:
             if not digits.isdigit():
                 raise ProtocolError("invalid bulk length")
             length = int(digits)
+            if self.unauthenticated and length > UNAUTHENTICATED_BULK_BYTES:
+                raise ProtocolError("unauthenticated bulk length")
             if length > self.max_bulk:
                 raise ProtocolError("invalid bulk length")
             start = end + 2
@@ -149,8 +170,9 @@ class RequestParser:
             if buffer[stop] != 13 or buffer[stop + 1] != 10:
                 raise ProtocolError("a bulk string must end with CRLF")
             items.append(bytes(buffer[start:stop]))
+            self._items_bytes += length + ITEM_OVERHEAD
             cursor = stop + 2
-        self._items, self._needed = None, 0
+        self._items, self._needed, self._items_bytes = None, 0, 0
         self._cursor = self._position = cursor
         return items
 

@@ -31,8 +31,10 @@ from reame.arca.connection_commands import Client, ConnectionCommands
 from reame.arca.key_commands import KeyCommands
 from reame.arca.resp import Error, Reply, command_bytes
 from reame.arca.store import (
+    AOF_NAME,
     AppendOnlyFile,
     Keyspace,
+    LogDamaged,
     StoreError,
     now_ms,
     read_log,
@@ -46,7 +48,10 @@ from reame.files import private_directory
 log = logging.getLogger("reame.arca")
 
 EXPIRE_EVERY_S = 0.1
+EXPIRE_CYCLE_S = 0.025  # the most one active-expiry cycle holds the loop (Redis: 25 ms); the rest waits its turn
+EXPIRE_SAMPLE = 20
 SYNC_EVERY_S = 1.0
+AUTH_DEADLINE_S = 10.0  # where a password is required, a client must authenticate this soon after connecting
 NO_AUTH_NEEDED = {b"AUTH", b"HELLO", b"QUIT"}
 
 
@@ -57,6 +62,9 @@ class ArcaSettings:
     directory: Path = Path("arca")
     max_bytes: int = 0  # 0: no budget
     requirepass: str = ""
+    max_clients: int = 256  # Redis's maxclients
+    timeout_s: float = 300.0  # close a client idle this long (0: never), as Redis's timeout
+    max_query_bytes: int = 32 << 20  # Redis's client-query-buffer-limit: one client's unparsed input
 
 
 class Arca(ConnectionCommands, KeyCommands, StreamCommands):
@@ -78,13 +86,18 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
     # --- persistence ---
 
     def _load(self, directory: Path) -> AppendOnlyFile:
-        path = directory / "appendonly.aof"
+        """Replay the log; a torn last record (a crash mid-append) is cut off, damage anywhere else is a
+        LogDamaged naming where, and nothing is loaded or changed (`reame arca --check-aof`)."""
+        path = directory / AOF_NAME
         private_directory(directory)
-        commands, good = read_log(path)
+        scan = read_log(path)
+        if scan.damaged:
+            raise LogDamaged(path, scan)
         if path.exists():
-            truncate_log(path, good)
+            truncate_log(path, scan.good)
         client = Client("aof")
         client.authenticated = True
+        commands = scan.commands
         for command in commands:
             reply = self.execute(client, command)
             if isinstance(reply, Error):
@@ -136,20 +149,39 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
             self.aof.close()
 
     async def _chores(self) -> None:
-        """Active expiry every 100 ms; fsync and a rewrite check every second."""
+        """Active expiry every 100 ms; fsync, a rewrite check and idle clients every second."""
         last_sync = time.monotonic()
         while True:
             await asyncio.sleep(EXPIRE_EVERY_S)
-            while self.keyspace.expire_some(now_ms()) >= 20:
-                pass
+            self.expire_cycle()
             if time.monotonic() - last_sync >= SYNC_EVERY_S:
                 last_sync = time.monotonic()
+                self.close_idle_clients(last_sync)
                 try:
                     await asyncio.to_thread(self.aof.sync)
                 except OSError as error:
                     log.warning("cannot fsync the append-only file: %s", error)
                 if self.aof.wants_rewrite():
                     await self.rewrite()
+
+    def expire_cycle(self) -> None:
+        """Redis's active expiry: samples of keys with a deadline while a quarter or more of a sample was dead,
+        for at most EXPIRE_CYCLE_S (what is left waits for the next cycle; a read drops a dead key anyway)."""
+        deadline = time.monotonic() + EXPIRE_CYCLE_S
+        while self.keyspace.expire_some(now_ms(), EXPIRE_SAMPLE) >= EXPIRE_SAMPLE // 4 and \
+                time.monotonic() < deadline:
+            pass
+
+    def close_idle_clients(self, now: float) -> None:
+        """Close clients idle past `timeout_s` (never one waiting in a blocking read), and, where a password is
+        required, clients that did not authenticate within AUTH_DEADLINE_S."""
+        timeout = self.settings.timeout_s
+        for client in list(self.clients.values()):
+            idle = timeout and not client.blocked and now - client.last_active > timeout
+            unauthenticated = self.settings.requirepass and not client.authenticated and \
+                now - client.created > AUTH_DEADLINE_S
+            if idle or unauthenticated:
+                client.disconnect()
 
     async def wait(self, blocked: Blocked) -> Reply:
         """The blocked command's reply: when an XADD gives it something, or None at its timeout."""

@@ -22,6 +22,8 @@ import fnmatch
 import itertools
 import logging
 import os
+import re
+import sys
 import threading
 import time
 import zlib
@@ -30,12 +32,19 @@ from pathlib import Path
 from typing import BinaryIO
 
 from reame.arca.resp import RequestParser, command_bytes
+from reame.errors import ReameError
 from reame.files import PRIVATE_FILE, create_private, fsync_directory, private_directory
 
 log = logging.getLogger("reame.arca")
 
-ENTRY_OVERHEAD = 64  # bytes counted per key beside its name and value (Redis's own overhead is similar)
-STREAM_ENTRY_OVERHEAD = 32
+# What a key costs in this process's memory beyond its name's and value's bytes objects (sys.getsizeof):
+# the keyspace's dict slot and node, the Entry, its place in the SCAN index, and with an expiry the deadline's
+# slot and int. Measured with tracemalloc (tests/unit/test_arca_limits.py holds them to it).
+ENTRY_OVERHEAD = 200
+EXPIRY_OVERHEAD = 96
+STREAM_ENTRY_OVERHEAD = 144  # per stream entry: its id tuple, its fields list and their slots
+OOM = "OOM command not allowed when used memory > 'maxmemory'."
+SCAN_BUCKET_SHIFT = 20  # a key's SCAN bucket: the top 12 bits of its crc32 (4096 buckets)
 AOF_NAME = "appendonly.aof"
 REWRITE_MIN_BYTES = 1 << 20
 
@@ -72,7 +81,7 @@ class Stream:
 
 
 def fields_size(pairs: list[bytes]) -> int:
-    return STREAM_ENTRY_OVERHEAD + sum(len(item) for item in pairs)
+    return STREAM_ENTRY_OVERHEAD + sum(map(sys.getsizeof, pairs))
 
 
 def integer(text: bytes, message: str = "ERR value is not an integer or out of range") -> int:
@@ -105,7 +114,7 @@ class Entry:
 
 
 class Keyspace:
-    """Keys to entries, in least-recently-used order, within `budget_bytes` (0: no limit)."""
+    """Keys to entries, in least-recently-used order, within `budget_bytes` (0: no limit) of measured memory."""
 
     def __init__(self, budget_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
@@ -113,7 +122,9 @@ class Keyspace:
         self.used_bytes = 0
         self.evicted = 0
         self.expired = 0
-        self._scan_order: list[tuple[int, bytes]] | None = None  # (cursor hash, key), sorted; None: stale
+        # SCAN's order, kept as keys change: keys by bucket (a hash of their name), and the non-empty buckets sorted.
+        self._buckets: dict[int, set[bytes]] = {}
+        self._bucket_ids: list[int] = []
         # The keys with a deadline, for active expiry to visit in turn (never the whole keyspace).
         self._deadlines: dict[bytes, int] = {}
 
@@ -154,17 +165,21 @@ class Keyspace:
     # --- writing ---
 
     def set(self, key: bytes, value: bytes, expires_at: int | None) -> None:
+        """Store `value`; StoreError (OOM) when it alone is more than the whole budget, with nothing changed."""
+        size = entry_size(key, value, expires_at)
+        if self.budget_bytes and size > self.budget_bytes:
+            raise StoreError(OOM)
         old = self._entries.pop(key, None)
         if old is None:
-            self._scan_order = None  # a new key (the order of those there stays right)
+            self._index(key)
         else:
-            self.used_bytes -= self._size(key, old.value)
+            self.used_bytes -= entry_size(key, old.value, old.expires_at)
             if old.expires_at is not None:
                 self._deadlines.pop(key, None)
         self._entries[key] = Entry(value, expires_at)
         if expires_at is not None:
             self._deadlines[key] = expires_at
-        self.used_bytes += ENTRY_OVERHEAD + len(key) + len(value)
+        self.used_bytes += size
         if self.budget_bytes and self.used_bytes > self.budget_bytes:
             self.evict(keep=key)
 
@@ -172,7 +187,9 @@ class Keyspace:
         entry = self.get_entry(key)
         if entry is None:
             return False
+        self.used_bytes -= entry_size(key, entry.value, entry.expires_at)
         entry.expires_at = expires_at
+        self.used_bytes += entry_size(key, entry.value, expires_at)
         if expires_at is None:
             self._deadlines.pop(key, None)
         else:
@@ -188,8 +205,9 @@ class Keyspace:
     def clear(self) -> None:
         self._entries.clear()
         self._deadlines.clear()
+        self._buckets.clear()
+        self._bucket_ids.clear()
         self.used_bytes = 0
-        self._scan_order = None
 
     def stream(self, key: bytes, create: bool) -> Stream | None:
         entry = self.get_entry(key)
@@ -198,12 +216,17 @@ class Keyspace:
                 return None
             stream = Stream()
             self._entries[key] = Entry(stream)
-            self._scan_order = None
-            self.used_bytes += self._size(key, stream)
+            self._index(key)
+            self.used_bytes += entry_size(key, stream, None)
             return stream
         if not isinstance(entry.value, Stream):
             raise WrongType()
         return entry.value
+
+    def stream_fits(self, key: bytes, stream: Stream, added: int) -> None:
+        """StoreError (OOM) when the stream grown by `added` bytes would be more than the whole budget."""
+        if self.budget_bytes and entry_size(key, stream, None) + added > self.budget_bytes:
+            raise StoreError(OOM)
 
     def stream_grew(self, key: bytes, added: int) -> None:
         """A stream's size changed by `added` bytes (XADD, XTRIM): keep the budget."""
@@ -238,40 +261,61 @@ class Keyspace:
         entry = self._entries.pop(key, None)
         self._deadlines.pop(key, None)
         if entry is not None:
-            self.used_bytes -= self._size(key, entry.value)
-            self._scan_order = None
-
-    @staticmethod
-    def _size(key: bytes, value: bytes | Stream) -> int:
-        return ENTRY_OVERHEAD + len(key) + (value.size if isinstance(value, Stream) else len(value))
+            self.used_bytes -= entry_size(key, entry.value, entry.expires_at)
+            self._unindex(key)
 
     # --- SCAN ---
 
+    def _index(self, key: bytes) -> None:
+        bucket = scan_bucket(key)
+        keys = self._buckets.get(bucket)
+        if keys is None:
+            keys = self._buckets[bucket] = set()
+            bisect.insort(self._bucket_ids, bucket)
+        keys.add(key)
+
+    def _unindex(self, key: bytes) -> None:
+        bucket = scan_bucket(key)
+        keys = self._buckets[bucket]
+        keys.discard(key)
+        if not keys:
+            del self._buckets[bucket]
+            del self._bucket_ids[bisect.bisect_left(self._bucket_ids, bucket)]
+
     def scan(self, cursor: int, count: int, pattern: bytes | None, kind: bytes | None) -> tuple[int, list[bytes]]:
-        """Keys in the order of a hash of their names from `cursor` on: a key present from the first
-        call to the last is returned at least once, whatever is added or removed meanwhile."""
-        if self._scan_order is None:
-            self._scan_order = sorted((scan_hash(key), key) for key in self._entries)
-        order = self._scan_order
-        index = bisect.bisect_left(order, (cursor, b""))
+        """Whole buckets of keys from `cursor` on, until `count` keys were looked at (as Redis, COUNT is the work
+        done, not the matches found): a key present from the first call to the last is returned at least once,
+        whatever is added or removed meanwhile. The cursor is the next bucket + 1 (0: start, and done)."""
+        index = bisect.bisect_left(self._bucket_ids, cursor - 1 if cursor > 0 else 0)
         found: list[bytes] = []
+        looked = 0
         now = now_ms()
-        while index < len(order) and (len(found) < count or order[index][0] == order[index - 1][0]):
-            key = order[index][1]
+        matcher = re.compile(fnmatch.translate(pattern.decode("latin-1")), re.DOTALL).match \
+            if pattern is not None else None
+        while index < len(self._bucket_ids) and looked < count:
+            keys = self._buckets[self._bucket_ids[index]]
             index += 1
-            entry = self._entries.get(key)
-            if entry is None or (entry.expires_at is not None and entry.expires_at <= now):
-                continue
-            if pattern is not None and not fnmatch.fnmatchcase(key.decode("latin-1"), pattern.decode("latin-1")):
-                continue
-            if kind is not None and kind.lower() != (b"stream" if isinstance(entry.value, Stream) else b"string"):
-                continue
-            found.append(key)
-        return (order[index][0] if index < len(order) else 0), found
+            looked += len(keys)
+            for key in sorted(keys):
+                entry = self._entries[key]
+                if entry.expires_at is not None and entry.expires_at <= now:
+                    continue
+                if matcher is not None and not matcher(key.decode("latin-1")):
+                    continue
+                if kind is not None and kind.lower() != (b"stream" if isinstance(entry.value, Stream) else b"string"):
+                    continue
+                found.append(key)
+        return (self._bucket_ids[index] + 1 if index < len(self._bucket_ids) else 0), found
 
 
-def scan_hash(key: bytes) -> int:
-    return zlib.crc32(key) + 1  # 0 is the cursor that starts a scan
+def entry_size(key: bytes, value: bytes | Stream, expires_at: int | None) -> int:
+    """What a key holding `value` costs against the budget (see ENTRY_OVERHEAD)."""
+    held = value.size if isinstance(value, Stream) else sys.getsizeof(value)
+    return ENTRY_OVERHEAD + sys.getsizeof(key) + held + (EXPIRY_OVERHEAD if expires_at is not None else 0)
+
+
+def scan_bucket(key: bytes) -> int:
+    return zlib.crc32(key) >> SCAN_BUCKET_SHIFT
 
 
 class AppendOnlyFile:
@@ -369,13 +413,71 @@ def open_private_log(path: Path) -> BinaryIO:
     return os.fdopen(fd, "ab")
 
 
-def read_log(path: Path) -> tuple[list[list[bytes]], int]:
-    """The whole commands of an AOF, and the byte length they cover (a torn or damaged tail is after it)."""
+# Where a record begins (after the CRLF ending the one before): found after an unfinished record, the
+# unfinished one was not the last, so it is damage, not a crash mid-append.
+RECORD_START = re.compile(rb"\r\n\*[0-9]+\r\n\$[0-9]+\r\n")
+
+
+@dataclass(frozen=True)
+class LogScan:
+    """An AOF read: its whole commands, the bytes they take from the start, and the file's size. `damaged`:
+    what follows them is not a torn final record (malformed, or more records after an unfinished one)."""
+
+    commands: list[list[bytes]]
+    good: int
+    size: int
+    damaged: bool
+
+
+class LogDamaged(ReameError):
+    """The AOF is damaged before its end: loading it would drop everything after the damage."""
+
+    def __init__(self, path: Path, scan: LogScan) -> None:
+        super().__init__(f"{path} is damaged at byte {scan.good} of {scan.size}, after {len(scan.commands)} whole "
+                         f"commands; ARCA does not start on it, so nothing is lost. `reame arca --check-aof` says "
+                         f"more; `reame arca --check-aof --fix` moves it aside and keeps the commands before the damage")
+
+
+def scan_log(data: bytes) -> LogScan:
+    commands, good, malformed = RequestParser().whole_commands(data)
+    damaged = malformed or (good < len(data) and RECORD_START.search(data, good) is not None)
+    return LogScan(commands, good, len(data), damaged)
+
+
+def read_log(path: Path) -> LogScan:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return [], 0
-    return RequestParser().whole_commands(data)
+        return LogScan([], 0, 0, False)
+    return scan_log(data)
+
+
+def check_log(path: Path, fix: bool) -> tuple[bool, str]:
+    """`reame arca --check-aof [--fix]`, as redis-check-aof: whether the log is sound (after the fix), and what
+    was found and done. A fix never deletes: the damaged file is moved aside, and a log of the whole commands
+    before the damage takes its place."""
+    scan = read_log(path)
+    if not path.exists():
+        return True, f"{path}: no append-only file (an empty store)"
+    if scan.good == scan.size:
+        return True, f"{path}: {len(scan.commands)} commands, {scan.size} bytes: OK"
+    where = f"{path}: {len(scan.commands)} whole commands, then at byte {scan.good} of {scan.size}"
+    if not scan.damaged:
+        return True, f"{where} a torn last record ({scan.size - scan.good} bytes, a crash mid-append): loading " \
+                     "cuts it off"
+    if not fix:
+        return False, f"{where} damage: {scan.size - scan.good} bytes from there would be lost; run with --fix to " \
+                      "move the file aside and keep the commands before the damage"
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    os.replace(path, aside)
+    with create_private(path) as out:
+        out.write(aside.read_bytes()[:scan.good])
+        out.flush()
+        os.fsync(out.fileno())
+    fsync_directory(path.parent)
+    return True, f"{where} damage: moved the file to {aside} and wrote the {len(scan.commands)} commands before " \
+                 f"the damage ({scan.good} bytes) to {path}; the {scan.size - scan.good} bytes after it are only " \
+                 f"in {aside}"
 
 
 def snapshot_records(keyspace: Keyspace) -> list[bytes]:

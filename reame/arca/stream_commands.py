@@ -54,15 +54,17 @@ class StreamCommands:
                 rest = rest[2:]
         if len(rest) < 3 or len(rest) % 2 == 0:
             return Error("ERR wrong number of arguments for 'xadd' command")
-        stream = self.keyspace.stream(key, create)
+        pairs = list(rest[1:])
+        added = fields_size(pairs)
+        stream = self.keyspace.stream(key, create=False)
+        self.keyspace.stream_fits(key, stream or Stream(), added)  # before anything is made or changed
+        stream = stream or self.keyspace.stream(key, create)
         if stream is None:
             return None
         stream_id = self._new_id(stream, rest[0])
-        pairs = list(rest[1:])
         stream.ids.append(stream_id)
         stream.fields.append(pairs)
         stream.last_id = stream_id
-        added = fields_size(pairs)
         stream.size += added
         removed_size = stream.size
         if max_length is not None:

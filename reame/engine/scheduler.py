@@ -135,13 +135,15 @@ class Engine:
 
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
-                 speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S) -> None:
+                 speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S,
+                 max_answer_tokens: int = 0) -> None:
         """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
         `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
         `cache`: the prefix cache; `speculation`: draft and verify several tokens per step where
-        that pays (speculative/). The engine closes both. `first_token_handoff_s`: see FIRST_TOKEN_HANDOFF_S."""
+        that pays (speculative/). The engine closes both. `first_token_handoff_s`: see FIRST_TOKEN_HANDOFF_S.
+        `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room)."""
         self.backend = backend
         self.first_token_handoff_s = first_token_handoff_s
         self.cache = cache
@@ -154,6 +156,7 @@ class Engine:
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
+        self.max_answer_tokens = max_answer_tokens
         # Set while no request holds a slot: the prefix cache's disk writer waits for it.
         self.idle = threading.Event()
         self.idle.set()
@@ -520,7 +523,8 @@ class Engine:
         sampler = backend.new_sampler(steps)
         try:
             room = backend.n_ctx_seq - len(handle.prompt_tokens)
-            running = Running(handle, slot, sampler, min(params.max_tokens or room, room), next(self._admissions))
+            most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
+            running = Running(handle, slot, sampler, most, next(self._admissions))
             leader = self._prefilling_twin(handle)
             saved = self._best_saved_state(handle) if leader is None else None
             from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
@@ -596,8 +600,13 @@ class Engine:
         return len(handle.prompt_tokens) + self._answer_reservation(handle)
 
     def _answer_reservation(self, handle: Handle) -> int:
+        """KV cells reserved for a request's answer: its max_tokens (or `reserve_tokens` without one), at most
+        an equal share of the context per slot. A request asking the whole context (max_tokens 2^31, say)
+        would otherwise hold everyone behind it out of their slots until its minutes of generation end; past
+        its share it runs on, and if the context fills it is the one cut (`_relieve_full_kv`)."""
         room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
-        return min(room, handle.request.params.max_tokens or self.reserve_tokens)
+        share = self.backend.n_ctx // self.backend.n_seq_max
+        return min(room, share, handle.request.params.max_tokens or self.reserve_tokens)
 
     def _reserved_with(self, handle: Handle) -> int:
         """KV cells the running requests and `handle` may fill together: requests with one prompt

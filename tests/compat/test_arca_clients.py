@@ -160,3 +160,48 @@ def test_redis_benchmark_runs_against_it(tmp_path):
         assert result.returncode == 0, result.stderr
         for test in ("PING_INLINE", "PING_MBULK", "SET", "GET"):
             assert re.search(rf"{test}: [\d.]+ requests per second", result.stdout), result.stdout
+
+
+def exchange_until_closed_or_quiet(port: int, request: bytes) -> bytes:
+    """Send `request`; what comes back until the server closes the connection or is quiet for half a second
+    (a reply is complete by then)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        sock.settimeout(0.5)
+        reply = b""
+        try:
+            while chunk := sock.recv(4096):
+                reply += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return reply
+
+
+HOSTILE = [  # (a request, and whether it needs the password to be set), as issue 32 sent them
+    (b"SET k v EX 9223372036854775807\r\n", False),
+    (b"SET k v EX 9223372036854775\r\n", False),
+    (b"SET k v PX 9223372036854775807\r\n", False),
+    (b"SET k v EXAT 9223372036854776\r\n", False),
+    (b"SET present v\r\nEXPIRE present 9223372036854775807\r\n", False),
+    (b"SET present v\r\nPEXPIREAT present 9223372036854775807\r\nEXISTS present\r\n", False),
+    (b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 15\r\n\r\nSET pwned yes\r\n", False),
+    (b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\nSET pwned yes\r\n", False),
+    (b"*11\r\n", True),
+    (b"*2\r\n$3\r\nGET\r\n$16385\r\n", True),
+    (b"*2\r\n$3\r\nGET\r\n$16384\r\n" + b"k" * 16384 + b"\r\n", True),
+]
+
+
+@pytest.mark.parametrize("request_bytes, with_password", HOSTILE)
+def test_hostile_requests_get_what_redis_server_answers(tmp_path, request_bytes, with_password):
+    from tests.compat.test_arca_nodes import redis_server
+    password = ["--requirepass", "secret"] if with_password else []
+    with arca(tmp_path / "arca", *password) as (arca_port, _):
+        ours = exchange_until_closed_or_quiet(arca_port, request_bytes)
+        assert redis.Redis(port=arca_port, password="secret" if with_password else None).exists("pwned") == 0
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as (redis_port, _):
+        if with_password:
+            redis.Redis(port=redis_port).config_set("requirepass", "secret")
+        theirs = exchange_until_closed_or_quiet(redis_port, request_bytes)
+    assert ours == theirs

@@ -3,6 +3,7 @@ holds, idle and trickling sockets, sockets numbered past 1024, another key's ses
 files other local users could read. Each gets a clear 4xx (or a closed idle connection), and everyone else goes
 on being answered."""
 
+import dataclasses
 import json
 import os
 import resource
@@ -42,6 +43,28 @@ def test_a_huge_max_tokens_is_clamped_to_the_context_and_answered(live, path, bo
     status, answer = live.json("POST", path, dict(body, max_tokens=max_tokens, ignore_eos=True))
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] == 1024  # the context, full
+
+
+def test_a_request_asking_the_whole_context_does_not_hold_the_others_out_of_their_slots():
+    """Reserving its whole max_tokens, one such request kept everyone behind it waiting for its minutes of
+    generation (two stopped a 2-core server); it now reserves a slot's share and runs beside the others."""
+    with Engine(FakeBackend(n_ctx=2048, n_seq_max=4)) as engine:
+        greedy = SamplingParams(temperature=0, ignore_eos=True)
+        huge = [engine.submit(GenerationRequest(f"big {i}", dataclasses.replace(greedy, max_tokens=2**63)))
+                for i in range(2)]
+        small = engine.submit(GenerationRequest("small", dataclasses.replace(greedy, max_tokens=4)))
+        assert small.result(10).finish.reason == "length"
+        assert all(handle.finish is None for handle in huge)  # still generating: the small one went beside them
+        for handle in huge:
+            handle.cancel()
+
+
+def test_the_servers_answer_cap_clamps_any_max_tokens():
+    with Engine(FakeBackend(n_ctx=2048), max_answer_tokens=7) as engine:
+        for asked in (None, 2**31, 2**64, 6):
+            result = engine.generate(GenerationRequest("x", SamplingParams(temperature=0, ignore_eos=True,
+                                                                           max_tokens=asked)))
+            assert result.finish.reason == "length" and len(result.tokens) == min(asked or 7, 7)
 
 
 @pytest.mark.parametrize("body, message", [
