@@ -434,8 +434,9 @@ class LogDamaged(ReameError):
 
     def __init__(self, path: Path, scan: LogScan) -> None:
         super().__init__(f"{path} is damaged at byte {scan.good} of {scan.size}, after {len(scan.commands)} whole "
-                         f"commands; ARCA does not start on it, so nothing is lost. `reame arca --check-aof` says "
-                         f"more; `reame arca --check-aof --fix` moves it aside and keeps the commands before the damage")
+                         "commands; ARCA does not start on it, so nothing is lost. `reame arca --check-aof` says "
+                         "more; `reame arca --check-aof --fix` moves it aside and keeps the commands before the "
+                         "damage")
 
 
 def scan_log(data: bytes) -> LogScan:
