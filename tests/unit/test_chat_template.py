@@ -63,3 +63,60 @@ def test_the_sandbox_stops_a_hostile_template(escape):
 def test_a_template_that_does_not_compile_is_a_model_error():
     with pytest.raises(ModelError, match="does not compile"):
         ChatTemplate("{% for m in messages %}", {})
+
+
+def bounded(work):
+    """Run `work()`: (what it raised, CPU seconds, peak bytes allocated)."""
+    import time
+    import tracemalloc
+    tracemalloc.start()
+    started = time.process_time()
+    try:
+        work()
+        raised = None
+    except (RequestError, ModelError) as error:
+        raised = error
+    seconds, peak = time.process_time() - started, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return raised, seconds, peak
+
+
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("source", [
+    NESTED_LOOPS,
+    "{{ 'x' * 1000000000 }}",
+    "{% set s = 'x' %}{{ s * 1000000000 }}",
+    "{{ 'x'.center(1000000000) }}",
+    "{{ '{:>999999999}'.format(1) }}",
+    "{{ '%999999999d' % 1 }}",
+    "{{ 'x' | center(1000000000) }}",
+    "{{ 'x' | indent(1000000000, true) }}",
+    "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s | replace('a', 'aaaa') %}"
+    "{% endfor %}",
+    "{{ 2 ** 10000000 }}",
+    "{% for m in messages %}{% for i in range(99999) %}{{ m.role }}{% endfor %}{% endfor %}",
+])
+def test_a_template_that_would_spend_without_bound_is_refused_when_the_model_loads(source):
+    raised, seconds, peak = bounded(lambda: ChatTemplate(source, {}))
+    assert isinstance(raised, ModelError) and "within its budget" in str(raised), raised
+    assert seconds < 3 and peak < 64 << 20, (seconds, peak >> 20)
+
+
+def test_a_template_that_spends_only_on_some_messages_is_a_clear_error_for_them_alone():
+    template = ChatTemplate("{% for m in messages %}{% if m.content == 'boom' %}" + NESTED_LOOPS +
+                            "{% endif %}[{{ m.content }}]{% endfor %}", {})
+    assert template.render([{"role": "user", "content": "fine"}]) == "[fine]"
+    raised, seconds, peak = bounded(lambda: template.render([{"role": "user", "content": "boom"}]))
+    assert isinstance(raised, RequestError) and raised.code == "template_budget_exceeded"
+    assert seconds < 3 and peak < 64 << 20
+    assert template.render([{"role": "user", "content": "fine again"}]) == "[fine again]"
+
+
+def test_user_text_that_looks_like_a_format_is_only_text():
+    template = ChatTemplate("{% for m in messages %}{{ m.content | trim }}|{{ m.content.replace('a', 'b') }}"
+                            "{% endfor %}", {})
+    text = "order {:>99999999} and %99999999d"
+    assert template.render([{"role": "user", "content": text}]) == text + "|" + text.replace("a", "b")
