@@ -21,6 +21,8 @@ from reame.engine.grammar import Grammar
 from reame.errors import ModelError, RequestError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # the longest stop string: text that may begin one is held back and rescanned every token
+MAX_LOGIT_BIAS = 1024  # biased tokens: each is applied to every token's draw
 MAX_SEED = 2**32 - 2  # 0xFFFFFFFF means "random" to llama.cpp
 MAX_TOP_LOGPROBS = 20
 
@@ -66,6 +68,10 @@ class SamplingParams:
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
                 raise RequestError("every stop string must be a non-empty string", param="stop")
+            if len(stop) > MAX_STOP_CHARS:
+                raise RequestError(f"a stop string is at most {MAX_STOP_CHARS} characters", param="stop")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError("ignore_eos must be a boolean", param="ignore_eos")
         for token, bias in self.logit_bias.items():

@@ -252,3 +252,13 @@ def test_saved_sessions_are_private_files_in_a_private_directory(keyed, tmp_path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert not list(path.parent.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("stop", ["x" * 257], "a stop string is at most 256 characters"),
+    ("logit_bias", {str(token): 1 for token in range(1025)}, "logit_bias holds at most 1024 tokens"),
+])
+def test_what_every_token_of_an_answer_pays_for_is_bounded(live, field, value, message):
+    """A 100,000-character stop string was rescanned at every token; 100,000 biased tokens applied to each draw."""
+    status, answer = live.json("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, field: value})
+    assert status == 400 and message in answer["error"]["message"] and answer["error"]["param"] == field
