@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from reame.files import create_private
+
 from reame.native import LLAMA_COMMIT, cache_root
 
 HEAD_BYTES = 16 << 20  # header, metadata and tensor table of every model we serve
@@ -70,7 +72,9 @@ def _write_hash_cache(path: Path, known: dict[str, str]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(known, indent=0, sort_keys=True), encoding="utf-8")
+        temporary.unlink(missing_ok=True)
+        with create_private(temporary) as out:
+            out.write(json.dumps(known, indent=0, sort_keys=True).encode())
         os.replace(temporary, path)
     except OSError:
         pass
