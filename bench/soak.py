@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
-"""Soak: many streaming clients misbehaving against a few slots; nothing may break or leak.
+"""Soak: many streaming clients misbehaving against a few slots, and hostile ones; nothing may break or leak.
 
-    python bench/soak.py                          # 64 clients, parallel 4, 45 s, SmolLM2-135M
+    python bench/soak.py                          # 64 clients (16 hostile), parallel 4, 45 s, SmolLM2-135M
     python bench/soak.py --seconds 600            # the long version
-    python bench/soak.py --clients 16 --seconds 10 --max-queue 8   # what CI runs
+    python bench/soak.py --clients 16 --hostile 4 --seconds 10 --max-queue 8   # what CI runs
 
-Each client loops: it sends a completion or a chat (streamed or not, random
-length) and behaves one way at random: reads it all, disconnects after a few
-chunks, reads slowly, or closes before the first token. A refusal must be an
-HTTP 429 or 503 with Retry-After (the client then backs off 1 s); a connection
-reset without an answer is counted as a failure. Every completed answer must be
-valid (JSON, or SSE frames ending with [DONE] and a finish_reason).
+Each well-behaved client loops: it sends a completion or a chat (streamed or
+not, random length) and behaves one way at random: reads it all, disconnects
+after a few chunks, reads slowly, or closes before the first token. A refusal
+must be an HTTP 429 or 503 with Retry-After (the client then backs off 1 s); a
+connection reset without an answer is counted as a failure. Every completed
+answer must be valid (JSON, or SSE frames ending with [DONE] and a finish_reason).
+
+Each hostile client (--hostile of them) loops over issue 32's cheap attacks at
+random: a max_tokens of 2^31, a 22-byte grammar asking 200,000 repetitions, a
+schema nested 600 deep, 256 generations in one request, lenient framing, a
+socket left idle, headers trickled a byte at a time. Each must get what the
+server promises (the answer clamped, a 400, a 408 or a closed connection);
+anything else is a failure.
 
 After the clients stop, the server must come back to its baseline: no request
 running, the KV cells the model holds equal to what its slots record, its
@@ -24,6 +31,7 @@ import http.client
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -139,10 +147,78 @@ def one_request(port: int, rng: random.Random, tally: Tally) -> float:
     return 0.0
 
 
-def client(port: int, seed: int, stop: threading.Event, tally: Tally) -> None:
+DEEP_SCHEMA: dict = {"type": "string"}
+for _ in range(600):
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
+REFUSED_BODIES = {  # attack -> (path, body) that must get a 400
+    "grammar {0,200000}": ("/v1/completions", {"prompt": "hi", "grammar": 'root ::= "a"{0,200000}'}),
+    "schema 600 deep": ("/v1/completions", {"prompt": "hi", "json_schema": DEEP_SCHEMA}),
+    "16 prompts x n 16": ("/v1/completions", {"prompt": ["a"] * 16, "n": 16, "max_tokens": 1}),
+}
+ANSWER_CAP = 96  # the soak server's server.max_answer_tokens: what a max_tokens of 2^31 is clamped to
+
+
+def raw_exchange(port: int, data: bytes, pause_s: float = 0.0) -> bytes:
+    """Send `data` (a byte at a time, `pause_s` apart, when given), read until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        try:
+            for piece in ([bytes([byte]) for byte in data] if pause_s else [data]):
+                sock.sendall(piece)
+                time.sleep(pause_s)
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # cut off while sending: what it was told comes next
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        return reply
+
+
+def one_attack(port: int, rng: random.Random, tally: Tally) -> float:
+    """One of issue 32's cheap attacks, and whether the server answered it as it promises."""
+    attack = rng.choice([*REFUSED_BODIES, "max_tokens 2^31", "lenient framing", "idle socket", "trickled headers"])
+    try:
+        if attack in REFUSED_BODIES:
+            path, body = REFUSED_BODIES[attack]
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            connection.request("POST", path, body=json.dumps(body))
+            response = connection.getresponse()
+            response.read()
+            connection.close()
+            held = response.status == 400 or (response.status in (429, 503) and response.getheader("Retry-After"))
+        elif attack == "max_tokens 2^31":
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            connection.request("POST", "/v1/completions", body=json.dumps(
+                {"prompt": "count:", "max_tokens": 2**31, "ignore_eos": True}))
+            response = connection.getresponse()
+            answer = json.loads(response.read())
+            connection.close()
+            held = response.status in (429, 503) or answer["usage"]["completion_tokens"] <= ANSWER_CAP
+        elif attack == "lenient framing":
+            reply = raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: +16\r\n\r\n"
+                                       b'{"prompt":"hi"}x')
+            held = reply.startswith(b"HTTP/1.1 400") or reply.startswith(b"HTTP/1.1 503")
+        elif attack == "idle socket":
+            with socket.create_connection(("127.0.0.1", port), timeout=60):
+                time.sleep(rng.uniform(0.5, 3.0))
+            held = True
+        else:
+            reply = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 60 + b"\r\n\r\n",
+                                 pause_s=0.05)
+            held = reply == b"" or reply.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503"))
+        tally.add("attack answered as promised" if held else "attack mishandled",
+                  failure="" if held else f"{attack}: not answered as promised")
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as error:
+        tally.add("attack mishandled", failure=f"{attack}: {type(error).__name__}: {error}")
+    return 0.0
+
+
+def client(port: int, seed: int, stop: threading.Event, tally: Tally, hostile: bool) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        backoff = one_request(port, rng, tally)
+        backoff = one_attack(port, rng, tally) if hostile else one_request(port, rng, tally)
         if backoff:
             stop.wait(backoff)
 
@@ -170,6 +246,7 @@ def back_to_baseline(pid: int, baseline: tuple[int, int, float], timeout_s: floa
 def main() -> int:
     parser = bench_parser(__doc__, "smollm2-135m", 0, 1)
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--hostile", type=int, default=16, help="how many of the clients attack (issue 32)")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=45.0)
     parser.add_argument("--max-queue", type=int, default=32)
@@ -181,14 +258,15 @@ def main() -> int:
     command = [sys.executable, "-m", "reame", "run", path, "--serve", "--port", str(port), "--threads",
                str(args.threads), "--ctx", "2048", "--parallel", str(args.parallel), "-q"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_SERVER_MAX_QUEUE=str(args.max_queue),
-               REAME_SERVER_REQUEST_LOGGING="false")
+               REAME_SERVER_REQUEST_LOGGING="false", REAME_SERVER_MAX_ANSWER_TOKENS=str(ANSWER_CAP),
+               REAME_SERVER_HEADER_TIMEOUT_SECONDS="2")
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, server)
         baseline = proc_status(server.pid)
         tally, stop = Tally(), threading.Event()
-        threads = [threading.Thread(target=client, args=(port, args.seed * 1000 + i, stop, tally), daemon=True)
-                   for i in range(args.clients)]
+        threads = [threading.Thread(target=client, args=(port, args.seed * 1000 + i, stop, tally, i < args.hostile),
+                                    daemon=True) for i in range(args.clients)]
         for thread in threads:
             thread.start()
         stop.wait(args.seconds)
@@ -207,14 +285,15 @@ def main() -> int:
         "every refusal an HTTP 429/503 with Retry-After, no reset": tally.counts["reset"] == 0 and
         tally.counts["bad refusal"] == 0,
         "every completed answer valid": tally.counts["invalid"] == 0 and tally.counts["error"] == 0,
+        "every attack answered as promised": tally.counts["attack mishandled"] == 0,
         "nothing running afterwards": running == 0,
         "KV cells in memory = recorded by the slots": in_memory == recorded,
         "threads back to baseline": after[0] <= baseline[0],
         "open files back to baseline": after[1] <= baseline[1],
         f"memory growth <= {args.max_growth_mb:g} MiB": after[2] - baseline[2] <= args.max_growth_mb,
     }
-    print(f"soak: {args.clients} clients, parallel {args.parallel}, max queue {args.max_queue}, {args.seconds:g} s, "
-          f"{Path(path).name}, {machine()}")
+    print(f"soak: {args.clients} clients ({args.hostile} hostile), parallel {args.parallel}, "
+          f"max queue {args.max_queue}, {args.seconds:g} s, {Path(path).name}, {machine()}")
     print_table(["outcome", "count"], [[name, str(count)] for name, count in sorted(tally.counts.items())])
     print(f"\nlatency of completed answers: p50 {p50:.0f} ms, p95 {p95:.0f} ms")
     print(f"threads {baseline[0]} -> {after[0]}, open files {baseline[1]} -> {after[1]}, "
