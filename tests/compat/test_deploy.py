@@ -4,6 +4,7 @@ with the documented proxy block passes streamed answers on as they are made, to 
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def proxied(native_libraries, smollm2_path, tmp_path_factory):
         upstream = base.rsplit(":", 1)[1]
         proxy = (ROOT / "deploy" / "reame-proxy.conf").read_text().replace("127.0.0.1:8080", f"127.0.0.1:{upstream}")
         (work / "reame-proxy.conf").write_text(proxy)
+        zones = "\n".join(line for line in (ROOT / "deploy" / "nginx-reame.conf").read_text().splitlines()
+                          if line.startswith(("limit_conn_zone", "limit_req_zone")))
         port = free_port()
         (work / "nginx.conf").write_text(f"""user root; daemon off; pid {work}/nginx.pid;
 error_log {work}/error.log;
@@ -42,6 +45,7 @@ http {{
     access_log off;
     client_body_temp_path {work}/body; proxy_temp_path {work}/proxy; fastcgi_temp_path {work}/fastcgi;
     uwsgi_temp_path {work}/uwsgi; scgi_temp_path {work}/scgi;
+    {zones}
     server {{ listen 127.0.0.1:{port}; include {work}/reame-proxy.conf; }}
 }}
 """)
@@ -90,3 +94,14 @@ def test_nginx_passes_a_stream_through_token_by_token(proxied):
                                            max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
     assert "".join(pieces) == whole.choices[0].message.content
     assert urllib.request.urlopen(front + "/", timeout=10).read().startswith(b"<!doctype html>")
+
+
+def test_nginx_limits_what_one_client_address_may_ask(proxied):
+    front, _ = proxied
+    statuses = []
+    for _ in range(40):  # faster than 5 a second, past the burst of 20
+        try:
+            statuses.append(urllib.request.urlopen(front + "/health", timeout=10).status)
+        except urllib.error.HTTPError as error:
+            statuses.append(error.code)
+    assert statuses[0] == 200 and 429 in statuses and set(statuses) <= {200, 429}
