@@ -19,6 +19,7 @@ import redis
 
 from reame.arca.resp import command_bytes
 from tests.live_server import live_server
+from tests.sockets import until_closed
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("alice-key", "bob-key")
@@ -171,22 +172,11 @@ def test_another_keys_session_is_not_there_and_saved_sessions_are_private(server
 # --- ARCA ---------------------------------------------------------------------------------------------------
 
 
-def until_closed(port: int, *parts: bytes) -> tuple[bytes, float]:
-    """Send `parts` (until the server closes), read until it closes: (the reply, seconds from the last part)."""
+def timed_until_closed(port: int, *parts: bytes) -> tuple[bytes, float]:
+    """Send `parts`, read until the server closes: (the reply, seconds from connecting)."""
+    started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        try:
-            for part in parts:
-                sock.sendall(part)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        started = time.monotonic()
-        reply = b""
-        try:
-            while chunk := sock.recv(65536):
-                reply += chunk
-        except ConnectionResetError:
-            pass
-    return reply, time.monotonic() - started
+        return until_closed(sock, *parts), time.monotonic() - started
 
 
 def test_arca_closes_hostile_clients_within_a_second_and_keeps_its_data(tmp_path):
@@ -196,9 +186,10 @@ def test_arca_closes_hostile_clients_within_a_second_and_keeps_its_data(tmp_path
         client.set("kept", "v")
         before = rss(process.pid)
         mebibyte = b"x" * (1 << 20)
-        reply, seconds = until_closed(port, b"*2\r\n$3\r\nGET\r\n$157286400\r\n", *[mebibyte] * 150)
+        reply, seconds = timed_until_closed(port, b"*2\r\n$3\r\nGET\r\n$157286400\r\n", *[mebibyte] * 150)
         assert reply.startswith(b"-ERR Protocol error") and seconds < 1.0
-        reply, seconds = until_closed(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nSET pwned 1\r\n")
+        reply, seconds = timed_until_closed(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"
+                                                  b"SET pwned 1\r\n")
         assert reply == b"" and seconds < 1.0
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             client.set("huge", b"y" * (20 << 20))

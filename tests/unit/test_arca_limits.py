@@ -15,6 +15,7 @@ from reame.arca.resp import command_bytes
 from reame.arca.server import Arca, ArcaSettings
 from reame.arca.store import AOF_NAME, ENTRY_OVERHEAD, EXPIRY_OVERHEAD, Keyspace, LogDamaged, check_log, now_ms
 from tests.arca_thread import arca_thread
+from tests.sockets import until_closed
 from tests.waiting import wait_until
 
 from .test_arca_commands import run
@@ -23,22 +24,6 @@ from .test_arca_commands import run
 def rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096
-
-
-def until_closed(sock: socket.socket, *parts: bytes) -> bytes:
-    """Send `parts` (stopping when the server closes), then read everything until it closes."""
-    try:
-        for part in parts:
-            sock.sendall(part)
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    return got
 
 
 def test_before_auth_a_client_cannot_make_arca_buffer_more_than_a_few_kib(tmp_path):

@@ -23,19 +23,6 @@ from tests.waiting import wait_until
 from .test_server import Live, chat_turns
 
 
-@pytest.fixture
-def engine():
-    with Engine(FakeBackend(n_ctx=1024, n_seq_max=2)) as engine:
-        yield engine
-
-
-@pytest.fixture
-def live(engine):
-    server = Live(engine)
-    yield server
-    server.close()
-
-
 @pytest.mark.parametrize("max_tokens", [2**31 - 1, 2**31, 2**63, 2**64, 99999999999999999999])
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])

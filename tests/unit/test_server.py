@@ -44,19 +44,6 @@ class Live:
         self.server.server_close()
 
 
-@pytest.fixture
-def engine():
-    with Engine(FakeBackend(n_ctx=1024, n_seq_max=4)) as engine:
-        yield engine
-
-
-@pytest.fixture
-def live(engine):
-    server = Live(engine)
-    yield server
-    server.close()
-
-
 def test_health_models_and_unknown_routes(live):
     assert live.json("GET", "/health") == (200, {"status": "ok", "auth": False})
     status, body = live.json("GET", "/v1/models")
