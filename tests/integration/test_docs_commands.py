@@ -187,6 +187,23 @@ def run_arca_with_password(command, place):
         stop(process)
 
 
+def run_check_aof(command, place):
+    """docs/arca.md's `--check-aof` then `--check-aof --fix`, on a log damaged in its middle (REAME_ARCA_DIR)."""
+    directory, _ = place
+    log = directory / "arca" / "appendonly.aof"
+    if not log.exists():  # the first of the two commands: make the damaged log both read
+        log.parent.mkdir(parents=True, exist_ok=True)
+        records = [f"*3\r\n$3\r\nSET\r\n$4\r\nkey{i}\r\n$1\r\nv\r\n".encode() for i in range(20)]
+        records[10] = records[10].replace(b"$3", b"$9")
+        log.write_bytes(b"".join(records))
+    result = shell(as_run_here(command), place)
+    if "--fix" in command:
+        assert result.returncode == 0 and "moved the file to" in result.stdout, result.stdout + result.stderr
+        assert len(list(log.parent.glob("appendonly.aof.damaged-*"))) == 1
+    else:
+        assert result.returncode == 1 and "damage" in result.stdout, result.stdout + result.stderr
+
+
 RUN_HERE = {
     'python dist/reame.pyz run smollm2-135m "Write a haiku about CPUs"': run_one_shot,
     'python dist/reame.pyz run qwen2.5-coder-1.5b "Write a Python function that reverses a string" --temp 0':
@@ -200,6 +217,8 @@ RUN_HERE = {
     'python dist/reame.pyz arca --port 6420 --dir /var/lib/reame-arca --max-mb 512 --requirepass "$SECRET"':
         run_arca_with_password,
     'redis-cli -p 6420 -a "$SECRET" PING': None,  # run by run_arca_with_password, against that daemon
+    "python dist/reame.pyz arca --check-aof": run_check_aof,
+    "python dist/reame.pyz arca --check-aof --fix": run_check_aof,
     "reame warm qwen2.5-coder-1.5b manual.txt faq.txt": run_warm,
     "reame warm qwen2.5-coder-1.5b --as raw prefix.txt": run_warm,
     "reame warm qwen2.5-coder-1.5b --json manual.txt": run_warm,
