@@ -47,9 +47,12 @@ MAX_NESTING = 64  # groups inside groups (the parser recurses for each)
 # past this a grammar is ambiguous enough to cost more per character than the model's step.
 MAX_STACKS = 512
 MAX_POSITIONS = 16_384
-MEMO_ENTRIES = 4096  # per memo table of a grammar (cleared when full: they only save time)
+MEMO_ENTRIES = 2048  # per memo table of a grammar (cleared when full: they only save time)
 MAX_HABIT_CHARS = 64  # the longest whitespace remembered as a layout habit
-CACHE_ELEMENTS = 2 * MAX_ELEMENTS  # compiled grammars kept for reuse, by their size
+# What a compiled grammar holds, in bytes, as tracemalloc measured it here: a slot per element, a rule's
+# lists and name, a memo entry's stacks and key. The cache of compiled grammars is bounded by their sum.
+ELEMENT_BYTES, RULE_BYTES, MEMO_ENTRY_BYTES = 8, 500, 400
+CACHE_BYTES = 64 << 20
 
 
 class GrammarError(RequestError):
@@ -104,6 +107,12 @@ class Grammar:
         self._expanded: dict[Stack, frozenset[Stack]] = {}
         self._advanced: dict[tuple[frozenset[Stack], int], frozenset[Stack]] = {}
         self._forced: dict[tuple[frozenset[Stack], bool], int | None] = {}
+
+    @property
+    def bytes(self) -> int:
+        """About what the grammar holds in memory now, memo tables included (see ELEMENT_BYTES)."""
+        memo = len(self._expanded) + len(self._advanced) + len(self._forced)
+        return ELEMENT_BYTES * self.size + RULE_BYTES * len(self.rules) + MEMO_ENTRY_BYTES * memo
 
     def start(self) -> frozenset[Stack]:
         stacks: set[Stack] = set()
@@ -561,12 +570,11 @@ def parse_gbnf(text: str) -> Grammar:
 
 
 class _CompiledGrammars:
-    """Parsed grammars by text, least recently used first out, at most CACHE_ELEMENTS elements in all (a
-    grammar's memo tables are bounded apart: MEMO_ENTRIES). Any thread."""
+    """Parsed grammars by text, least recently used first out, at most CACHE_BYTES in all as `Grammar.bytes`
+    counts them now (their memo tables grow as they are used: each call looks again). Any thread."""
 
     def __init__(self) -> None:
         self._grammars: collections.OrderedDict[str, Grammar] = collections.OrderedDict()
-        self._elements = 0
         self._lock = threading.Lock()
 
     def __call__(self, text: str) -> Grammar:
@@ -574,24 +582,28 @@ class _CompiledGrammars:
             grammar = self._grammars.get(text)
             if grammar is not None:
                 self._grammars.move_to_end(text)
+                self._evict()
                 return grammar
         grammar = parse_gbnf(text)  # outside the lock: one request's heavy grammar never waits on another's
         with self._lock:
-            if text not in self._grammars:
-                self._grammars[text] = grammar
-                self._elements += grammar.size
-            while self._elements > CACHE_ELEMENTS and len(self._grammars) > 1:
-                self._elements -= self._grammars.popitem(last=False)[1].size
+            self._grammars.setdefault(text, grammar)
+            self._evict()
         return grammar
 
+    def _evict(self) -> None:
+        """Least recently used grammars out until the rest fit CACHE_BYTES (lock held)."""
+        held = sum(cached.bytes for cached in self._grammars.values())
+        while held > CACHE_BYTES and len(self._grammars) > 1:
+            held -= self._grammars.popitem(last=False)[1].bytes
+
     @property
-    def elements(self) -> int:
-        return self._elements
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(grammar.bytes for grammar in self._grammars.values())
 
     def clear(self) -> None:
         with self._lock:
             self._grammars.clear()
-            self._elements = 0
 
 
 compiled = _CompiledGrammars()

@@ -2,6 +2,7 @@
 GrammarError naming the rule or the schema's place, and any input, valid or not, is compiled and read within
 a bound of CPU time and memory (hypothesis fuzz with both measured, not only "no exception")."""
 
+import gc
 import os
 import time
 import tracemalloc
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.fake import EOS, N_VOCAB, FakeBackend
 from reame.engine.grammar import (
+    CACHE_BYTES,
     MAX_ELEMENTS,
     MAX_REPETITION,
     GrammarError,
@@ -108,11 +110,24 @@ def test_a_grammar_whose_start_fans_out_too_far_is_refused_when_it_is_parsed():
     assert isinstance(error, GrammarTooAmbiguous) and "too ambiguous: in rule 'b' it could be in" in str(error), error
 
 
-def test_the_compiled_grammar_cache_is_bounded_by_size_not_count():
+def test_the_compiled_grammar_cache_is_bounded_by_the_memory_its_grammars_hold():
+    """Five heavy schemas once held 446 MB for good; now what the cache keeps, memo tables included, is
+    bounded by CACHE_BYTES (and the estimate it counts is within reach of what tracemalloc measures)."""
     compiled.clear()
-    for n in range(12):  # each near the element limit
-        compiled(f'root ::= "{"y" * n}' + "x" * 99 + '"{1800}')
-    assert compiled.elements <= 2 * MAX_ELEMENTS
+    gc.collect()
+    tracemalloc.start()
+    for n in range(800):  # about twice what fits
+        grammar = compiled(f'root ::= "a{n}" [a-z]{{0,50}} ("x" | "y"){{0,30}}')
+        GrammarState(grammar).feed(f"a{n}" + "b" * 50)
+    for n in range(20):
+        grammar = compiled(f'root ::= "q{n}" ("ab" | "cd"){{0,1000}}')
+        GrammarState(grammar).feed(f"q{n}" + "ab" * 900)
+    compiled('root ::= "a0" [a-z]{0,50} ("x" | "y"){0,30}')  # each use looks at what the cache holds now
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert compiled.bytes <= CACHE_BYTES
+    assert held < 2 * CACHE_BYTES, held >> 20
+    compiled.clear()
 
 
 def x_lover(history):
