@@ -31,10 +31,10 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from collections.abc import Callable
 from typing import Any
 
 from reame.server.sessions import key_owner
