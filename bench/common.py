@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from reame import catalog, fetch, native
-from reame.engine.backend import usable_cores
+from reame.model.backend import usable_cores
 
 
 def bench_parser(doc: str, model: str | None, tokens: int, reps: int, tokens_help: str | None = None,

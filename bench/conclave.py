@@ -32,7 +32,7 @@ import urllib.request
 from common import ROOT, bench_parser, machine, model_path, print_table, server_command
 from server import free_port, wait_ready
 
-from reame.engine.conclave import EXPLORER_TEMPERATURE, numbers, words
+from reame.conclave import EXPLORER_TEMPERATURE, numbers, words
 from reame.native import LLAMA_COMMIT
 
 ATTEMPTS = 5

@@ -19,7 +19,7 @@ import subprocess
 from common import bench_parser, llama_tool, machine, model_path, print_table, summary
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.model.backend import LlamaBackend, ModelSettings
 from reame.native import LLAMA_COMMIT
 
 PROMPT = "Write a long story about a lighthouse keeper."

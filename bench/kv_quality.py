@@ -23,7 +23,7 @@ import numpy as np
 from common import bench_parser, machine, model_path, print_table
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.model.backend import LlamaBackend, ModelSettings
 from reame.native import LLAMA_COMMIT
 
 CHUNK = 128

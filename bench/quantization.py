@@ -27,7 +27,7 @@ from ceiling import batched_bench
 from common import bench_parser, machine, model_path, print_table
 from kv_quality import agreement
 
-from reame.engine.backend import ModelSettings
+from reame.model.backend import ModelSettings
 from reame.native import LLAMA_COMMIT
 from reame.quantize import QUANT_TYPES, requantize
 

@@ -19,9 +19,9 @@ import time
 
 from common import bench_parser, machine, model_path, print_table, summary
 
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.model.backend import LlamaBackend, ModelSettings
 from reame.engine.request import SamplingParams
-from reame.engine.sampling import chain_steps
+from reame.model.sampling import chain_steps
 from reame.native import LLAMA_COMMIT
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."

@@ -14,10 +14,10 @@ from typing import Any, TextIO
 
 from reame import autoconfig, catalog, fetch
 from reame.arca.client import StoreAddress, StoreClient
-from reame.arca.corpus import Corpus
+from reame.speculative.corpus import Corpus
 from reame.cache import PrefixCache
 from reame.engine import Engine
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.model.backend import LlamaBackend, ModelSettings
 from reame.errors import ConfigError, ModelFileError
 from reame.native import cache_root
 from reame.server.answers import AnswerCache

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from reame import gguf
-from reame.engine.backend import usable_cores
+from reame.model.backend import usable_cores
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}

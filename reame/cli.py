@@ -24,14 +24,14 @@ from reame.arca.store import AOF_NAME, check_log
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend, usable_cores
-from reame.engine.conclave import MAX_ATTEMPTS, convene
-from reame.engine.grammar import GrammarError
-from reame.engine.json_schema import schema_to_gbnf
+from reame.model.backend import LlamaBackend, usable_cores
+from reame.conclave import MAX_ATTEMPTS, convene
+from reame.structured.grammar import GrammarError
+from reame.structured.json_schema import schema_to_gbnf
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
 from reame.quantize import QUANT_TYPES, requantize
-from reame.server.structured import checked
+from reame.structured.requested import checked
 from reame.settings import Settings, from_values
 
 log = logging.getLogger("reame")

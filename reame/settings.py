@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reame.config import Value
-from reame.engine import SamplingParams
+from reame.model.sampling import SamplingParams
 from reame.errors import ConfigError
 from reame.native import cache_root
 

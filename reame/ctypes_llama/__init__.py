@@ -2,5 +2,5 @@
 
 `types` holds the structs and enums, `api` the function prototypes (bound by
 `api.load()`), `_lib` the loading of the shared libraries. Only
-`reame.engine.backend` may call into this package.
+`reame.model.backend` may call into this package.
 """

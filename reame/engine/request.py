@@ -8,105 +8,19 @@ produces them and can be cancelled from any thread.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
 from reame.cache.store import Snapshot
-from reame.engine.grammar import Grammar
 from reame.errors import ModelError, RequestError
+from reame.model.sampling import SamplingParams
+from reame.structured.grammar import Grammar
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256  # the longest stop string: text that may begin one is held back and rescanned every token
-MAX_LOGIT_BIAS = 1024  # biased tokens: each is applied to every token's draw
-MAX_SEED = 2**32 - 2  # 0xFFFFFFFF means "random" to llama.cpp
 MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy (argmax)."""
-
-    max_tokens: int | None = None  # None: until end of generation or the context is full
-    temperature: float = 0.7
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
-    repeat_penalty: float = 1.0  # 1 = off
-    repeat_last_n: int = 64  # window of the three penalties; -1 = whole context
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None  # None: a random seed per request
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logit_bias: Mapping[int, float] = field(default_factory=dict)
-    grammar: str | None = None  # GBNF the output must match (checked by the caller: engine/grammar.py)
-
-    def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
-        _check_float("temperature", self.temperature, 0.0, 100.0)
-        _check_int("top_k", self.top_k, minimum=0)
-        _check_float("top_p", self.top_p, 0.0, 1.0)
-        if self.top_p == 0.0:
-            raise RequestError("top_p must be greater than 0", param="top_p")
-        _check_float("min_p", self.min_p, 0.0, 1.0)
-        _check_float("repeat_penalty", self.repeat_penalty, 0.0, 10.0)
-        if self.repeat_penalty == 0.0:
-            raise RequestError("repeat_penalty must be greater than 0", param="repeat_penalty")
-        _check_int("repeat_last_n", self.repeat_last_n, minimum=-1)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
-        if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, tuple):
-            raise RequestError("stop must be a tuple of strings", param="stop")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-        for stop in self.stop:
-            if not isinstance(stop, str) or not stop:
-                raise RequestError("every stop string must be a non-empty string", param="stop")
-            if len(stop) > MAX_STOP_CHARS:
-                raise RequestError(f"a stop string is at most {MAX_STOP_CHARS} characters", param="stop")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError("ignore_eos must be a boolean", param="ignore_eos")
-        for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                raise RequestError(f"logit_bias key {token!r} is not a token id", param="logit_bias")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-                raise RequestError(f"logit_bias value for token {token} is not a number",
-                                   param="logit_bias")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0) and self.repeat_last_n != 0
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None,
-               optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise RequestError(f"{name} must be {bound}, got {value}", param=name)
-
-
-def _check_float(name: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{name} must be a number, got {value!r}", param=name)
-    if not (low <= value <= high):  # also rejects NaN
-        raise RequestError(f"{name} must be between {low:g} and {high:g}, got {value}", param=name)
 
 
 Prompt = Union[str, Sequence[int]]

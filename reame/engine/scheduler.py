@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
-from reame.engine.backend import DECODE_NO_KV_SLOT, Backend
-from reame.engine.grammar import GrammarTooAmbiguous, compiled
+from reame.model.backend import DECODE_NO_KV_SLOT, Backend
+from reame.structured.grammar import GrammarTooAmbiguous, compiled
 from reame.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -60,7 +60,7 @@ from reame.engine.request import (
     TokenEvent,
     Usage,
 )
-from reame.engine.sampling import chain_steps, log_softmax_of
+from reame.model.sampling import chain_steps, log_softmax_of
 from reame.engine.slots import Running, Slot
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.speculative import Drafting, Speculation

@@ -11,7 +11,7 @@ import time
 
 import codecs
 
-from reame.engine.grammar import GrammarState
+from reame.structured.grammar import GrammarState
 from reame.engine.request import Handle, SessionState
 from reame.engine.textstream import TextStream
 from reame.speculative import Drafting

@@ -21,16 +21,16 @@ from typing import Any
 
 from reame.cache import prefix
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from reame.engine.request import MAX_SEED
-from reame.engine.conclave import Election, attempts
+from reame.model.sampling import MAX_SEED
+from reame.conclave import Election, attempts
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.answers import AnswerCache, AnswerTap, StoredAnswer
 from reame.server.metrics import Metrics, Sample
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice, Response
-from reame.server.structured import forced_tool_grammar, requested_grammar
-from reame.server.tools import ToolRequest, template_messages, tool_parser, tool_request
+from reame.structured.requested import forced_tool_grammar, requested_grammar
+from reame.structured.tools import ToolRequest, template_messages, tool_parser, tool_request
 from reame.server.validation import (MAX_CHOICES, Fields, best_of, chat_messages, check_model,
                                      completion_prompts, embedding_inputs, sampling_params, stream_usage)
 
@@ -138,7 +138,7 @@ class App:
             if route is None:
                 raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
             route(self, handler, path)
-        except (HttpError, SessionError, EngineUnavailable) as error:
+        except (HttpError, SessionError, EngineUnavailable, RequestError) as error:
             handler.discard_body()  # before answering: the client may still be sending it
             handler.send_error_json(as_http_error(error))
         except (BrokenPipeError, ConnectionResetError):
@@ -716,8 +716,11 @@ def canonical_path(path: str) -> str:
     return prefixed if prefixed in ROUTES or prefixed.startswith(("/v1/models/", "/v1/sessions/")) else path
 
 
-def as_http_error(error: HttpError | SessionError | EngineUnavailable) -> HttpError:
-    """The HTTP answer to an error of the layers below."""
+def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestError) -> HttpError:
+    """The HTTP answer to an error of the layers below: bad input (a RequestError, from structured output
+    say) is a 400 naming its field."""
+    if isinstance(error, RequestError):
+        return HttpError(400, str(error), param=error.param, code=error.code)
     if isinstance(error, SessionError):
         return HttpError(error.status, str(error), param=error.param, code=error.code, headers=error.headers)
     if isinstance(error, EngineUnavailable):

@@ -10,7 +10,7 @@ from typing import Any
 
 from reame import __version__
 from reame.engine import FinishEvent, TokenEvent
-from reame.server.tools import ToolCall, ToolCallParser
+from reame.structured.tools import ToolCall, ToolCallParser
 
 
 @dataclass

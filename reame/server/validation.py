@@ -8,7 +8,7 @@ from typing import Any
 from reame.engine import SamplingParams
 from reame.errors import RequestError
 from reame.server.http import HttpError
-from reame.server.tools import parsed_arguments
+from reame.structured.tools import parsed_arguments
 
 MAX_CHOICES = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from reame.cache import common_prefix
-from reame.engine.backend import DECODE_OK, Backend
-from reame.engine.sampling import Step
+from reame.model.backend import DECODE_OK, Backend
+from reame.model.sampling import Step
 from reame.errors import ModelError
 
 if TYPE_CHECKING:
-    from reame.engine.grammar import Grammar
+    from reame.structured.grammar import Grammar
 
 log = logging.getLogger("reame.speculative")
 

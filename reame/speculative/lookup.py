@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from reame.engine.grammar import Grammar
+    from reame.structured.grammar import Grammar
 
 
 class PromptLookup:

@@ -34,7 +34,7 @@ from pathlib import Path
 from reame.speculative.archive import Archive
 
 if TYPE_CHECKING:
-    from reame.engine.grammar import Grammar
+    from reame.structured.grammar import Grammar
 
 log = logging.getLogger("reame.palimpsest")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from reame.engine.grammar import Grammar
+    from reame.structured.grammar import Grammar
 
 
 class Drafter(Protocol):

@@ -27,7 +27,7 @@ from reame.speculative.controller import PRIOR_ACCEPTANCE, CostModel, DraftContr
 from reame.speculative.source import Drafter, DraftSource
 
 if TYPE_CHECKING:
-    from reame.engine.grammar import Grammar
+    from reame.structured.grammar import Grammar
 
 log = logging.getLogger("reame.speculative")
 

@@ -4,7 +4,7 @@ Two kinds of text need no model to guess:
 
 - what the request's grammar forces from where the answer is: a JSON
   schema's keys, quotes and punctuation, an enum's only possible rest, a
-  closing tag (engine/grammar.py follows the answer character by character);
+  closing tag (structured/grammar.py follows the answer character by character);
 - what structure predicts at the start of a line: the next number of a
   numbered list, the same bullet, a table's leading pipe, the indentation of
   the line before, and in code the closing bracket of a block once a line
@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 
-from reame.engine.grammar import Grammar, GrammarState, GrammarTooAmbiguous
+from reame.structured.grammar import Grammar, GrammarState, GrammarTooAmbiguous
 
 REMEMBERED_GRAMMARS = 64  # grammars whose answers' whitespace is remembered
 TAIL_TOKENS = 200  # prompt tokens read back for the text of the lines before the answer

@@ -14,7 +14,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend, reply_rule
+from tests.fakes.backend import FakeBackend, reply_rule
 from tests.live_server import smollm2_server as serve_smollm2
 from tests.unit.test_server import Live
 

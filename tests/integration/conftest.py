@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from reame.engine.backend import LlamaBackend, ModelSettings
+from reame.model.backend import LlamaBackend, ModelSettings
 
 N_CTX = 2048
 N_SEQ = 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reame.engine.backend import LlamaBackend
+from reame.model.backend import LlamaBackend
 
 from .conftest import settings_for
 

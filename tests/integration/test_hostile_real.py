@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.grammar import GrammarError, parse_gbnf
-from reame.engine.sampling import chain_steps
+from reame.structured.grammar import GrammarError, parse_gbnf
+from reame.model.sampling import chain_steps
 from reame.errors import ModelError
 
 pytestmark = pytest.mark.integration

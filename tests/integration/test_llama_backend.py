@@ -3,8 +3,8 @@
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.engine.backend import DECODE_OK, LlamaBackend
-from reame.engine.sampling import Step, chain_steps
+from reame.model.backend import DECODE_OK, LlamaBackend
+from reame.model.sampling import Step, chain_steps
 
 from .conftest import settings_for
 

@@ -7,9 +7,9 @@ import jsonschema
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.backend import LlamaBackend
-from reame.engine.json_schema import schema_to_gbnf
-from reame.engine.sampling import chain_steps
+from reame.model.backend import LlamaBackend
+from reame.structured.json_schema import schema_to_gbnf
+from reame.model.sampling import chain_steps
 from reame.speculative import Speculation
 from reame.speculative.suggeritore import Suggeritore
 

@@ -3,7 +3,7 @@
 import pytest
 
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 
 from .test_server import Live
 

@@ -7,7 +7,7 @@ import pytest
 
 from reame.arca.client import StoreAddress, StoreClient
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 from reame.server.answers import AnswerCache
 from tests.arca_thread import arca_thread
 from tests.live_server import free_port

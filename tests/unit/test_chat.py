@@ -4,7 +4,7 @@ import io
 
 from reame.chat import Conversation, read_message, repl
 from reame.engine import Engine, SamplingParams
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
 

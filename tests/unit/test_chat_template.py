@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from reame.engine.chat_template import ChatTemplate
+from reame.model.chat_template import ChatTemplate
 from reame.errors import ModelError, RequestError
 
 FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates").glob("*.json"))

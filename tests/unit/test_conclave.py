@@ -5,8 +5,8 @@ import math
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.conclave import Election, answer_key, attempts, convene, medoid, numbers, similarity
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend
+from reame.conclave import Election, answer_key, attempts, convene, medoid, numbers, similarity
+from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
 from tests.waiting import wait_until
 
 PROMPT = "Read the document and answer: what is the total? " * 2

@@ -1,7 +1,7 @@
 """The shared corpus: one node's Palimpsest records reach another's through ARCA (an XADD stream)."""
 
 from reame.arca.client import StoreAddress
-from reame.arca.corpus import Corpus
+from reame.speculative.corpus import Corpus
 from reame.speculative.palimpsest import Palimpsest
 from tests.arca_thread import arca_thread
 from tests.waiting import wait_until

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import N_VOCAB, FakeBackend, default_rule
+from tests.fakes.backend import N_VOCAB, FakeBackend, default_rule
 from reame.errors import ModelError
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
 from reame.speculative.controller import REPROBE_STEPS

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import EMBEDDING_SIZE, FakeBackend, gated_rule
+from tests.fakes.backend import EMBEDDING_SIZE, FakeBackend, gated_rule
 
 from .test_server import Live
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
+from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
 from reame.errors import EngineUnavailable, ModelError, RequestError
 from tests.waiting import wait_until
 

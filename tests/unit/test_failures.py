@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import FakeBackend, gated_rule
+from tests.fakes.backend import FakeBackend, gated_rule
 from reame.errors import EngineUnavailable
 
 from tests.waiting import wait_until

@@ -1,5 +1,5 @@
-from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK
-from reame.engine.fake import BOS, IM_START, FakeBackend
+from reame.model.backend import DECODE_NO_KV_SLOT, DECODE_OK
+from tests.fakes.backend import BOS, IM_START, FakeBackend
 
 
 def test_tokenize_parses_specials_and_round_trips():

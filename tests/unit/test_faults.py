@@ -13,7 +13,7 @@ import pytest
 from reame.cache import PrefixCache
 from reame.cache.store import DiskStore
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 from reame.server.sessions import SessionError, Sessions
 
 from tests.waiting import wait_until

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from reame import config, gguf
 from reame.cache.store import Snapshot, decode, encode
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 from reame.errors import CacheError, ConfigError, ModelFileError
 from reame.server.sessions import SessionError, Sessions
 

@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend
-from reame.engine.grammar import GrammarError, GrammarState, parse_gbnf
-from reame.engine.json_schema import JSON_OBJECT_GBNF, integer_range, schema_to_gbnf
+from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
+from reame.structured.grammar import GrammarError, GrammarState, parse_gbnf
+from reame.structured.json_schema import JSON_OBJECT_GBNF, integer_range, schema_to_gbnf
 
 
 @pytest.mark.parametrize("gbnf, accepted, rejected", [

@@ -1,4 +1,4 @@
-"""What a hostile grammar or JSON schema may cost: every limit of engine/grammar.py and json_schema.py is a
+"""What a hostile grammar or JSON schema may cost: every limit of structured/grammar.py and json_schema.py is a
 GrammarError naming the rule or the schema's place, and any input, valid or not, is compiled and read within
 a bound of CPU time and memory (hypothesis fuzz with both measured, not only "no exception")."""
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend
-from reame.engine.grammar import (
+from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
+from reame.structured.grammar import (
     CACHE_BYTES,
     MAX_ELEMENTS,
     MAX_REPETITION,
@@ -23,7 +23,7 @@ from reame.engine.grammar import (
     compiled,
     parse_gbnf,
 )
-from reame.engine.json_schema import schema_to_gbnf
+from reame.structured.json_schema import schema_to_gbnf
 
 FUZZ = settings(max_examples=int(os.environ.get("REAME_FUZZ_EXAMPLES", "150")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import FakeBackend, gated_rule
+from tests.fakes.backend import FakeBackend, gated_rule
 from reame.server import sessions as sessions_module
 from reame.server.sessions import Sessions
 from reame.settings import SessionLimits

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 from reame.speculative import Speculation
 from reame.speculative.archive import FRAME, HEADER, Archive
 from reame.speculative.palimpsest import ContinuationIndex, Palimpsest, vocabulary_hash

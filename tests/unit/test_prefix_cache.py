@@ -9,7 +9,7 @@ from reame.cache import PrefixCache, Snapshot
 from reame.cache import store
 from reame.cache.prefix import block_keys
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 
 FINGERPRINT = b"m" * 32
 GREEDY = SamplingParams(temperature=0, max_tokens=40)

@@ -1,5 +1,5 @@
 from reame.engine.request import SamplingParams
-from reame.engine.sampling import chain_steps
+from reame.model.sampling import chain_steps
 
 
 def kinds(params: SamplingParams, **kwargs) -> list[str]:

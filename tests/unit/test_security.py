@@ -4,7 +4,7 @@ caps on what one request may ask for, and no key or prompt text in the logs at t
 import pytest
 
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend
+from tests.fakes.backend import FakeBackend
 from reame.server import http, openai_api
 
 from .test_server import Live

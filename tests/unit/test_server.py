@@ -10,7 +10,7 @@ import time
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import N_VOCAB, FakeBackend, gated_rule
+from tests.fakes.backend import N_VOCAB, FakeBackend, gated_rule
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.openai_api import App
 from tests.waiting import wait_until
@@ -627,7 +627,7 @@ def test_chat_logprobs_whole_and_streamed_agree(live):
 
 
 def test_suffix_builds_a_fill_in_the_middle_prompt(live, engine):
-    from reame.engine.fake import FIM_MID, FIM_PRE, FIM_SUF
+    from tests.fakes.backend import FIM_MID, FIM_PRE, FIM_SUF
     status, body = live.json("POST", "/v1/completions", {"prompt": "def f(", "suffix": "<|im_end|>)",
                                                          "max_tokens": 3, "temperature": 0})
     assert status == 200

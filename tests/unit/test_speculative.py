@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import EOS, N_VOCAB, FakeBackend, default_rule
+from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
 from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expected_tokens
 

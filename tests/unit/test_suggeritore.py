@@ -4,9 +4,9 @@ output is identical with and without it, and its drafts are accepted."""
 import json
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.engine.fake import EOS, IM_END, N_VOCAB, FakeBackend
-from reame.engine.grammar import compiled
-from reame.engine.json_schema import schema_to_gbnf
+from tests.fakes.backend import EOS, IM_END, N_VOCAB, FakeBackend
+from reame.structured.grammar import compiled
+from reame.structured.json_schema import schema_to_gbnf
 from reame.speculative import Speculation
 from reame.speculative.suggeritore import Suggeritore
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from reame.engine import Engine
-from reame.engine.fake import FakeBackend, reply_rule
-from reame.server.tools import ToolCallParser, ToolRequest, template_messages, tool_parser
+from tests.fakes.backend import FakeBackend, reply_rule
+from reame.structured.tools import ToolCallParser, ToolRequest, template_messages, tool_parser
 
 from .test_server import Live, read_sse
 

@@ -25,10 +25,10 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from reame.engine.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
-from reame.engine.chat_template import ChatTemplate
-from reame.engine.grammar import GrammarState, GrammarTooAmbiguous, compiled
-from reame.engine.sampling import Step
+from reame.model.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
+from reame.model.chat_template import ChatTemplate
+from reame.structured.grammar import GrammarState, GrammarTooAmbiguous, compiled
+from reame.model.sampling import Step
 from reame.errors import ModelError
 
 BOS, EOS, IM_START, IM_END, FIM_PRE, FIM_SUF, FIM_MID = range(256, 263)

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reame.engine.json_schema import literal, render, schema_rules
-from reame.server.http import HttpError
+from reame.structured.json_schema import literal, render, schema_rules
+from reame.errors import RequestError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
@@ -134,8 +134,8 @@ def _check_tool(tool: Any, where: str) -> str:
     return name
 
 
-def _bad(param: str, what: str) -> HttpError:
-    return HttpError(400, f"'{param}' {what}", param=param, code="invalid_value")
+def _bad(param: str, what: str) -> RequestError:
+    return RequestError(f"'{param}' {what}", param=param)
 
 
 # --- the prompt ---------------------------------------------------------------------------

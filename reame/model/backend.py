@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from reame.cache.fingerprint import kv_fingerprint, model_content_hash
+from reame.model.fingerprint import kv_fingerprint, model_content_hash
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
-from reame.engine.chat_template import ChatTemplate
-from reame.engine.sampling import Step
+from reame.model.chat_template import ChatTemplate
+from reame.model.sampling import Step
 from reame.errors import ModelError, ModelFileError
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -164,7 +164,7 @@ class ModelSettings:
         return self.n_seq_max > 1 if self.kv_unified is None else self.kv_unified
 
     def kv_fingerprint(self) -> bytes:
-        """What a saved sequence state from this model and context depends on (see cache/fingerprint.py)."""
+        """What a saved sequence state from this model and context depends on (see model/fingerprint.py)."""
         n_stream = 1 if self.unified_kv else self.n_seq_max
         return kv_fingerprint(model_content_hash(self.path), self.kv_type, self.flash_attn, n_stream)
 

@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from reame.engine.grammar import MAX_REPETITION, GrammarError
+from reame.structured.grammar import MAX_REPETITION, GrammarError
 
 ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$anchor", "strict", "name"}

@@ -25,20 +25,10 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from reame.engine.request import (
-    FINISH_STOP,
-    MAX_SEED,
-    Completion,
-    FinishEvent,
-    GenerationRequest,
-    SamplingParams,
-    TokenEvent,
-)
-
-if TYPE_CHECKING:
-    from reame.engine.scheduler import Engine
+from reame.engine import Completion, Engine, FinishEvent, GenerationRequest, TokenEvent
+from reame.engine.request import FINISH_STOP
+from reame.model.sampling import MAX_SEED, SamplingParams
 
 EXPLORER_TEMPERATURE = 0.7  # the least temperature of attempts 1..N-1
 SHORT_ANSWER_WORDS = 12  # an answer of at most this many words votes with all of it, a longer one with its last number
