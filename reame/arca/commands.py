@@ -1,11 +1,18 @@
-"""The command table: each name (in capitals) to its handler and its arity as Redis states it (exact when
->= 0, at least -arity when < 0)."""
+"""The command table (each name in capitals to its handler and its arity as Redis states it: exact when
+>= 0, at least -arity when < 0) and `execute`, which runs one command as Redis would: its arity and
+authentication checked, a StoreError answered as an error reply."""
 
 from __future__ import annotations
 
-from reame.arca.connection_commands import ConnectionCommands as C
-from reame.arca.key_commands import KeyCommands as K
-from reame.arca.stream_commands import StreamCommands as S
+from reame.arca import connection_commands as C
+from reame.arca import key_commands as K
+from reame.arca import stream_commands as S
+from reame.arca.resp import Error, Reply
+from reame.arca.state import ArcaState
+from reame.arca.store import StoreError
+from reame.arca.types import Blocked, Client
+
+NO_AUTH_NEEDED = {b"AUTH", b"HELLO", b"QUIT"}
 
 COMMANDS = {
     b"PING": (C.cmd_ping, -1), b"ECHO": (C.cmd_echo, 2), b"QUIT": (C.cmd_quit, -1),
@@ -21,3 +28,27 @@ COMMANDS = {
     b"XADD": (S.cmd_xadd, -5), b"XRANGE": (S.cmd_xrange, -4), b"XREAD": (S.cmd_xread, -4),
     b"XLEN": (S.cmd_xlen, 2), b"XTRIM": (S.cmd_xtrim, -4), b"XSETID": (S.cmd_xsetid, 3),
 }
+
+
+def execute(state: ArcaState, client: Client, command: list[bytes]) -> Reply | Blocked:
+    name = command[0]
+    spec = COMMANDS.get(name)  # clients send names in capitals: most lookups need no upper()
+    if spec is None:
+        name = name.upper()
+        spec = COMMANDS.get(name)
+    client.last_command = name
+    state.commands_processed += 1
+    if spec is None:
+        args = " ".join(f"'{word.decode('utf-8', 'replace')[:64]}'" for word in command[1:4])
+        return Error(f"ERR unknown command '{command[0].decode('utf-8', 'replace')[:64]}', "
+                     f"with args beginning with: {args}")
+    handler, arity = spec
+    if (arity >= 0 and len(command) != arity) or (arity < 0 and len(command) < -arity):
+        return Error(f"ERR wrong number of arguments for '{name.decode().lower()}' command")
+    if state.settings.requirepass and not client.authenticated and name not in NO_AUTH_NEEDED:
+        return Error("NOAUTH Authentication required.")
+    try:
+        return handler(state, client, command[1:])
+    except StoreError as error:
+        text = str(error)
+        return Error(text if text.split(" ", 1)[0].isupper() else "ERR " + text)

@@ -17,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
-from reame.arca.connection_commands import Client
+from reame.arca.commands import execute
 from reame.arca.resp import Error, ProtocolError, RequestParser, encode
-from reame.arca.stream_commands import Blocked
-
-if TYPE_CHECKING:
-    from reame.arca.server import Arca
+from reame.arca.state import ArcaState
+from reame.arca.types import Blocked, Client
 
 log = logging.getLogger("reame.arca")
 
@@ -32,9 +29,9 @@ HTTP_COMMANDS = (b"POST", b"HOST:")  # what only a browser (or a cross-protocol 
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, arca: Arca) -> None:
-        self.arca = arca
-        settings = arca.settings
+    def __init__(self, state: ArcaState) -> None:
+        self.state = state
+        settings = state.settings
         self.parser = RequestParser(max_bulk=min(settings.max_query_bytes, RequestParser().max_bulk))
         self.client = Client("?", self._close)
         self.transport: asyncio.Transport | None = None
@@ -46,8 +43,8 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.arca.connections_received += 1
-        if len(self.arca.clients) >= self.arca.settings.max_clients:
+        self.state.connections_received += 1
+        if len(self.state.clients) >= self.state.settings.max_clients:
             transport.write(encode(Error("ERR max number of clients reached")))
             self.client.closing = True
             transport.close()
@@ -55,15 +52,15 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if peer:
             self.client.address = f"{peer[0]}:{peer[1]}"
-        self.arca.clients[self.client.id] = self.client
+        self.state.clients[self.client.id] = self.client
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.arca.clients.pop(self.client.id, None)
+        self.state.clients.pop(self.client.id, None)
         if self._waiter is not None:
             self._waiter.cancel()
 
     def _unauthenticated(self) -> bool:
-        return bool(self.arca.settings.requirepass) and not self.client.authenticated
+        return bool(self.state.settings.requirepass) and not self.client.authenticated
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None or self.client.closing:  # what follows bad input is never read
@@ -101,9 +98,9 @@ class Connection(asyncio.Protocol):
         except ProtocolError as error:
             commands, self._refusal = error.before, error
             return commands
-        if self.parser.pending_bytes > self.arca.settings.max_query_bytes:
+        if self.parser.pending_bytes > self.state.settings.max_query_bytes:
             self._refusal = ProtocolError(f"query buffer of {self.parser.pending_bytes} bytes is over the "
-                                          f"client-query-buffer-limit of {self.arca.settings.max_query_bytes}")
+                                          f"client-query-buffer-limit of {self.state.settings.max_query_bytes}")
         return commands
 
     def pause_writing(self) -> None:
@@ -117,14 +114,14 @@ class Connection(asyncio.Protocol):
 
     def _run(self, commands: list[list[bytes]]) -> None:
         out = bytearray()
-        client, execute = self.client, self.arca.execute
+        client, state = self.client, self.state
         for index, command in enumerate(commands):
             if command[0].upper() in HTTP_COMMANDS:
                 log.warning("closed a connection from %s that sent %r: something speaks HTTP to ARCA (a web page "
                             "a browser opened?)", client.address, command[0][:8])
                 self._close()  # as Redis: the replies to what came with it in the same read are not sent
                 return
-            reply = execute(client, command)
+            reply = execute(state, client, command)
             if type(reply) is Blocked:
                 self._send(out)
                 self._queued = commands[index + 1:]
@@ -143,7 +140,7 @@ class Connection(asyncio.Protocol):
             self._close()
 
     async def _unblock(self, blocked: Blocked) -> None:
-        reply = await self.arca.wait(blocked)
+        reply = await self.state.wait(blocked)
         self._waiter = None
         self.client.blocked = False
         self.client.last_active = time.monotonic()
@@ -155,7 +152,8 @@ class Connection(asyncio.Protocol):
 
     def _send(self, replies: bytes | bytearray) -> None:
         """The log reaches the OS before the client hears OK (it is fsynced within a second)."""
-        self.arca.aof.flush()
+        if self.state.aof is not None:
+            self.state.aof.flush()
         if replies and self.transport is not None and not self.transport.is_closing():
             self.transport.write(replies)
 

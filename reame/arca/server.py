@@ -11,8 +11,9 @@ Safety: it binds 127.0.0.1 unless told otherwise; with `requirepass` every comma
 but AUTH, HELLO and QUIT needs authentication first (compared in constant time);
 request sizes are bounded (resp.py); the keyspace has a byte budget (LRU eviction).
 
-The commands live by family in connection_commands.py, key_commands.py and stream_commands.py (mixed
-into Arca), their table in commands.py; this module loads the log, serves connections and dispatches.
+The commands live by family in connection_commands.py, key_commands.py and stream_commands.py, as
+functions of the state they share (state.py), their table in commands.py; this module makes the state,
+loads the log into it, serves connections over it and does the chores.
 """
 
 from __future__ import annotations
@@ -22,26 +23,23 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from reame.arca.commands import COMMANDS
+from reame.arca.commands import COMMANDS, execute
 from reame.arca.connection import Connection
-from reame.arca.connection_commands import Client, ConnectionCommands
-from reame.arca.key_commands import KeyCommands
-from reame.arca.resp import Error, Reply, command_bytes
+from reame.arca.resp import Error, Reply
+from reame.arca.state import ArcaState
 from reame.arca.store import (
     AOF_NAME,
     AppendOnlyFile,
     Keyspace,
     LogDamaged,
-    StoreError,
     now_ms,
     read_log,
     snapshot_records,
     truncate_log,
 )
-from reame.arca.stream_commands import Blocked, StreamCommands
+from reame.arca.types import ArcaSettings, Blocked, Client
 from reame.errors import ListenError
 from reame.files import private_directory
 
@@ -52,36 +50,31 @@ EXPIRE_CYCLE_S = 0.025  # the most one active-expiry cycle holds the loop (Redis
 EXPIRE_SAMPLE = 20
 SYNC_EVERY_S = 1.0
 AUTH_DEADLINE_S = 10.0  # where a password is required, a client must authenticate this soon after connecting
-NO_AUTH_NEEDED = {b"AUTH", b"HELLO", b"QUIT"}
 
 
-@dataclass(frozen=True)
-class ArcaSettings:
-    host: str = "127.0.0.1"
-    port: int = 6420
-    directory: Path = Path("arca")
-    max_bytes: int = 0  # 0: no budget
-    requirepass: str = ""
-    max_clients: int = 256  # Redis's maxclients
-    timeout_s: float = 300.0  # close a client idle this long (0: never), as Redis's timeout
-    max_query_bytes: int = 32 << 20  # Redis's client-query-buffer-limit: one client's unparsed input
-
-
-class Arca(ConnectionCommands, KeyCommands, StreamCommands):
-    """The keyspace, its log, and the commands over them."""
+class Arca:
+    """The daemon: its state (the keyspace, its log, the clients), loaded from the log, served, kept."""
 
     def __init__(self, settings: ArcaSettings) -> None:
         self.settings = settings
-        self.keyspace = Keyspace(settings.max_bytes)
-        self.clients: dict[int, Client] = {}
-        self.command_table = COMMANDS
-        self.started = time.time()
-        self.commands_processed = 0
-        self.connections_received = 0
-        self.stream_added = asyncio.Event()  # set (and replaced) whenever an XADD lands
-        self._loading = True
-        self.aof = self._load(settings.directory)
-        self._loading = False
+        self.state = ArcaState(settings, COMMANDS)
+        self.state.aof = self._load(settings.directory)
+
+    @property
+    def keyspace(self) -> Keyspace:
+        return self.state.keyspace
+
+    @property
+    def aof(self) -> AppendOnlyFile:
+        assert self.state.aof is not None
+        return self.state.aof
+
+    @property
+    def clients(self) -> dict[int, Client]:
+        return self.state.clients
+
+    def execute(self, client: Client, command: list[bytes]) -> Reply | Blocked:
+        return execute(self.state, client, command)
 
     # --- persistence ---
 
@@ -106,13 +99,6 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
             log.info("loaded %d keys from %s (%d commands)", len(self.keyspace), path, len(commands))
         return AppendOnlyFile(directory)
 
-    def _log(self, *words: bytes | str | int) -> None:
-        self._log_record(command_bytes(*words))
-
-    def _log_record(self, record: bytes) -> None:
-        if not self._loading:
-            self.aof.append(record)
-
     async def rewrite(self) -> None:
         """Write the keyspace anew in a worker thread; writes made meanwhile are appended after it."""
         self.aof.start_rewrite()
@@ -131,7 +117,7 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
     async def serve(self, on_ready: Callable[[int], None] | None = None) -> None:
         try:
             server = await asyncio.get_running_loop().create_server(
-                lambda: Connection(self), self.settings.host, self.settings.port, reuse_address=True)
+                lambda: Connection(self.state), self.settings.host, self.settings.port, reuse_address=True)
         except OSError as error:
             self.aof.close()
             raise ListenError(self.settings.host, self.settings.port, error) from None
@@ -182,51 +168,6 @@ class Arca(ConnectionCommands, KeyCommands, StreamCommands):
                 now - client.created > AUTH_DEADLINE_S
             if idle or unauthenticated:
                 client.disconnect()
-
-    async def wait(self, blocked: Blocked) -> Reply:
-        """The blocked command's reply: when an XADD gives it something, or None at its timeout."""
-        deadline = None if blocked.timeout_ms == 0 else time.monotonic() + blocked.timeout_ms / 1000
-        while True:
-            event = self.stream_added
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return None
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
-                return None
-            reply = blocked.retry()
-            if reply is not None:
-                return reply
-
-    def _stream_added(self) -> None:
-        event, self.stream_added = self.stream_added, asyncio.Event()
-        event.set()
-
-    # --- commands ---
-
-    def execute(self, client: Client, command: list[bytes]) -> Reply | Blocked:
-        name = command[0]
-        spec = COMMANDS.get(name)  # clients send names in capitals: most lookups need no upper()
-        if spec is None:
-            name = name.upper()
-            spec = COMMANDS.get(name)
-        client.last_command = name
-        self.commands_processed += 1
-        if spec is None:
-            args = " ".join(f"'{word.decode('utf-8', 'replace')[:64]}'" for word in command[1:4])
-            return Error(f"ERR unknown command '{command[0].decode('utf-8', 'replace')[:64]}', "
-                         f"with args beginning with: {args}")
-        handler, arity = spec
-        if (arity >= 0 and len(command) != arity) or (arity < 0 and len(command) < -arity):
-            return Error(f"ERR wrong number of arguments for '{name.decode().lower()}' command")
-        if self.settings.requirepass and not client.authenticated and name not in NO_AUTH_NEEDED:
-            return Error("NOAUTH Authentication required.")
-        try:
-            return handler(self, client, command[1:])
-        except StoreError as error:
-            text = str(error)
-            return Error(text if text.split(" ", 1)[0].isupper() else "ERR " + text)
 
 
 def run(settings: ArcaSettings, on_ready: Callable[[int], None] | None = None) -> int:

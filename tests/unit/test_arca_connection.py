@@ -85,7 +85,7 @@ def test_a_client_that_does_not_read_its_replies_stops_being_read(tmp_path):
     """The transport says its buffer is full (pause_writing): ARCA stops reading that client until it drains,
     so a client cannot make it buffer replies without bound."""
     arca = Arca(ArcaSettings(directory=tmp_path))
-    connection, transport = Connection(arca), FakeTransport()
+    connection, transport = Connection(arca.state), FakeTransport()
     connection.connection_made(transport)
     connection.data_received(b"PING\r\n")
     connection.pause_writing()
