@@ -70,14 +70,19 @@ def model_settings(path: Path, settings: Settings, chosen: Plan, n_seq: int = 1)
 
 
 def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False) -> Engine:
-    """An engine over `backend` with the prefix cache and speculation the settings ask for; `serving`:
-    with the server's queue limits."""
+    """An engine over `backend` (which it owns and closes, once its thread has ended) with the prefix cache and
+    speculation the settings ask for; `serving`: with the server's queue limits."""
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
                                   prefill_chunk_tokens=server.prefill_chunk_tokens,
                                   max_answer_tokens=server.max_answer_tokens) if serving else {}
-    speculation = new_speculation(backend, settings, serving) if speculate else None
-    return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation, **limits)
+    try:
+        speculation = new_speculation(backend, settings, serving) if speculate else None
+        return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation,
+                      owns_backend=True, **limits)
+    except BaseException:
+        backend.close()
+        raise
 
 
 def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = False) -> Speculation | None:

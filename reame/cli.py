@@ -274,9 +274,9 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError("--best-of elects one answer: give a prompt")
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    with LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)) as backend, \
-            assembly.new_engine(backend, settings) as engine:
-        templated = backend.has_chat_template and not args.raw
+    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)),
+                             settings) as engine:
+        templated = engine.backend.has_chat_template and not args.raw
         if prompt is None:
             conversation = Conversation(engine, settings.generation, system=args.system)
             return repl(conversation, line_reader(), title=entry.name if entry else path.name)
@@ -355,8 +355,8 @@ def command_config_mode(args: argparse.Namespace, settings: Settings) -> int:
     if args.serve:
         return assembly.serve_model(settings, path, entry, chosen)
     best_of = args.best_of or 1
-    with LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)) as backend, \
-            assembly.new_engine(backend, settings) as engine:
+    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)),
+                             settings) as engine:
         return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of)
 
 
@@ -368,12 +368,13 @@ def command_warm(args: argparse.Namespace, settings: Settings) -> int:
     texts = [(name, read_prompt("-") if name == "-" else read_text_file(name)) for name in args.files]
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
-    with LlamaBackend(assembly.model_settings(path, settings, chosen)) as backend, \
-            assembly.new_engine(backend, settings, speculate=False) as engine:
+    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen)), settings,
+                             speculate=False) as engine:
         for name, text in texts:
             prompt = text
-            if args.role == "system" and backend.has_chat_template:
-                prompt = backend.apply_chat_template([{"role": "system", "content": text}], add_assistant=False)
+            if args.role == "system" and engine.backend.has_chat_template:
+                prompt = engine.backend.apply_chat_template([{"role": "system", "content": text}],
+                                                            add_assistant=False)
             usage = engine.generate(GenerationRequest(prompt, warm=True)).finish.usage
             if args.json:
                 print(json.dumps({"file": name, "tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,

@@ -136,14 +136,15 @@ class Engine:
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
                  speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S,
-                 max_answer_tokens: int = 0) -> None:
+                 max_answer_tokens: int = 0, owns_backend: bool = False) -> None:
         """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
         `reserve_tokens`: KV reserved for the answer of a request without max_tokens;
         `cache`: the prefix cache; `speculation`: draft and verify several tokens per step where
         that pays (speculative/). The engine closes both. `first_token_handoff_s`: see FIRST_TOKEN_HANDOFF_S.
-        `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room)."""
+        `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room).
+        `owns_backend`: close() closes the backend too (once the thread has ended)."""
         self.backend = backend
         self.first_token_handoff_s = first_token_handoff_s
         self.cache = cache
@@ -157,6 +158,10 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
         self.max_answer_tokens = max_answer_tokens
+        self.owns_backend = owns_backend
+        self._exit_lock = threading.Lock()  # close() and the thread's end agree on who frees what, once
+        self._release_on_exit = False
+        self._released = False
         # Set while no request holds a slot: the prefix cache's disk writer waits for it.
         self.idle = threading.Event()
         self.idle.set()
@@ -352,17 +357,36 @@ class Engine:
         """The model's chat template applied to `messages` (and `tools`), ready for the assistant's turn."""
         return self.backend.apply_chat_template(messages, add_assistant=True, tools=tools)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Cancel what is running, stop the thread. Safe to call twice."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Cancel what is running, stop the thread, then free what it used (the cache, the draft sources, and
+        the backend when the engine owns it). Never while the thread lives: one still in a step after
+        `timeout_s` frees them itself when that step ends (said in the log), and close() returns False.
+        Safe to call twice."""
         self._closing = True
-        if self._thread is not None:
+        thread = self._thread
+        if thread is not None:
             self._inbox.put(None)
-            self._thread.join(timeout_s)
-            self._thread = None
+            thread.join(timeout_s)
+        with self._exit_lock:
+            if thread is not None and thread.is_alive():
+                self._release_on_exit = True
+                log.warning("the engine thread is still in a step after %g s; it frees the model when that step "
+                            "ends", timeout_s)
+                return False
+            self._release()
+        return True
+
+    def _release(self) -> None:
+        """Free what the engine thread used (once, after it ended; `_exit_lock` held)."""
+        if self._released:
+            return
+        self._released = True
         if self.cache is not None:
             self.cache.close()
         if self.speculation is not None:
             self.speculation.close()
+        if self.owns_backend:
+            self.backend.close()
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -378,8 +402,12 @@ class Engine:
             self._loop()
         except BaseException as error:  # noqa: BLE001 (nothing may end this thread without an answer)
             self._die(error)
-            return
-        self._end("the engine shut down")
+        else:
+            self._end("the engine shut down")
+        finally:
+            with self._exit_lock:  # close() gave up waiting: what the thread used is freed now it ends
+                if self._release_on_exit:
+                    self._release()
 
     def _warm_up(self) -> None:
         try:

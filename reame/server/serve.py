@@ -55,8 +55,7 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
         if not server.drain(settings.grace_s):
             log.warning("requests still running after the grace period are cancelled")
         if engine is not None:
-            engine.close()
-            engine.backend.close()
+            engine.close()  # the engine owns its backend: freed once its thread has ended
         server.server_close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -163,3 +163,20 @@ def test_a_refused_body_is_drained_so_the_client_reads_its_413(engine):
             assert sock.recv(1) == b""
     finally:
         server.close()
+
+
+def test_close_never_frees_a_backend_its_thread_is_still_using():
+    """close() once cleared its thread after the join timed out, and the caller then freed the backend under a
+    step still running: now the thread frees what it used when that step ends."""
+    gate = threading.Event()
+    backend = FakeBackend(n_ctx=256, rule=gated_rule(gate, wait_s=30))
+    closed = threading.Event()
+    backend.close = closed.set
+    engine = Engine(backend, owns_backend=True).start()
+    handle = engine.submit(GenerationRequest("x", SamplingParams(max_tokens=2)))
+    wait_until(lambda: engine.load()[1] == 1, what="the request to run")
+    assert engine.close(timeout_s=0.1) is False
+    assert not closed.is_set()  # the step is still in the backend
+    gate.set()
+    wait_until(closed.is_set, what="the thread to free the backend as it ends")
+    assert handle.result(10).finish.reason in ("cancelled", "length")
