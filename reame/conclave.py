@@ -26,7 +26,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from reame.engine import Completion, Engine, FinishEvent, GenerationRequest, TokenEvent
+from reame.engine import Completion, Engine, FinishEvent, GenerationRequest, Handle, TokenEvent
 from reame.engine.request import FINISH_STOP
 from reame.model.sampling import MAX_SEED, SamplingParams
 
@@ -164,6 +164,29 @@ class Election:
         return Verdict(ended[medoid([candidates[i].text for i in ended])], 1, candidates, early=False)
 
 
+class Ballot:
+    """Elections over attempts that answer into one sink, `group` attempts per prompt (the handles in order):
+    each attempt votes as it ends, and once a prompt's majority is certain its other attempts are stopped.
+    The one vote loop of the Conclave, for the CLI's --best-of and the API's best_of alike."""
+
+    def __init__(self, handles: Sequence[Handle], group: int) -> None:
+        self.handles, self.group = handles, group
+        self.elections = [Election(group) for _ in range(len(handles) // group)]
+
+    def finished(self, tag: int, text: str, finish_reason: str, completion_tokens: int) -> bool:
+        """Attempt `tag` ended with `text`; True when its vote decided its prompt early (the others stopped)."""
+        prompt = tag // self.group
+        if not self.elections[prompt].finished(tag % self.group, text, finish_reason, completion_tokens):
+            return False
+        for handle in self.handles[prompt * self.group:(prompt + 1) * self.group]:
+            if handle.finish is None:
+                handle.cancel()
+        return True
+
+    def verdicts(self) -> list[Verdict]:
+        return [election.verdict() for election in self.elections]
+
+
 @dataclass(frozen=True)
 class Outcome:
     verdict: Verdict
@@ -180,7 +203,7 @@ def convene(engine: Engine, request: GenerationRequest, n: int, timeout_s: float
     handles = engine.submit_together([replace(request, params=params) for params in attempts(request.params, n)],
                                      sink)
     try:
-        election = Election(n)
+        ballot = Ballot(handles, n)
         pieces: list[list[str]] = [[] for _ in handles]
         tokens: list[list[int]] = [[] for _ in handles]
         finishes: dict[int, FinishEvent] = {}
@@ -192,14 +215,11 @@ def convene(engine: Engine, request: GenerationRequest, n: int, timeout_s: float
                 continue
             finishes[tag] = event
             pieces[tag].append(event.text)
-            if election.finished(tag, "".join(pieces[tag]), event.reason, len(tokens[tag])):
-                for handle in handles:
-                    if handle.finish is None:
-                        handle.cancel()
+            ballot.finished(tag, "".join(pieces[tag]), event.reason, len(tokens[tag]))
     finally:
         for handle in handles:
             if handle.finish is None:
                 handle.cancel()
     completions = tuple(Completion("".join(pieces[i]), tokens[i], finishes[i]) for i in range(n))
-    return Outcome(election.verdict(), completions)
+    return Outcome(ballot.verdicts()[0], completions)
 

@@ -22,7 +22,7 @@ from typing import Any
 from reame.cache import prefix
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from reame.model.sampling import MAX_SEED
-from reame.conclave import Election, attempts
+from reame.conclave import Ballot, attempts
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.answers import AnswerCache, AnswerTap, StoredAnswer
@@ -478,9 +478,9 @@ class App:
                 self.stream(handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
                             release_session)
             else:
-                elections = [Election(elect_among) for _ in prompts] if elect_among > 1 else None
+                ballot = Ballot(handles, elect_among) if elect_among > 1 else None
                 self.collect(handler, response, sink, handles, choices, echoes, prompt_tokens, release_session,
-                             elections)
+                             ballot)
         finally:
             release_session()
 
@@ -525,9 +525,9 @@ class App:
 
     def collect(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
                 choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
-                elections: list[Election] | None = None) -> None:
-        """The whole answer once every choice ended; with `elections`, one per prompt among its attempts,
-        each attempt votes as it ends and a prompt's others stop once its majority is certain."""
+                ballot: Ballot | None = None) -> None:
+        """The whole answer once every choice ended; with `ballot`, one elected per prompt among its attempts
+        (each votes as it ends, a prompt's others stop once its majority is certain)."""
         for choice, echo in zip(choices, echoes):
             choice.pieces.append(echo)
         remaining = len(handles)
@@ -550,8 +550,9 @@ class App:
             else:
                 choices[tag].finish = event
                 remaining -= 1
-                if elections is not None:
-                    self.vote(elections, tag, choices[tag], handles)
+                if ballot is not None and ballot.finished(tag, choices[tag].text, event.reason,
+                                                          event.usage.completion_tokens):
+                    self.metrics.add("reame_conclave_early_stops_total")
         finished()
         self.account(choices)
         for choice in choices:
@@ -566,29 +567,17 @@ class App:
             raise HttpError(400, failed.message, code=failed.code)
         if failed is not None:
             raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
-        if elections is None:
+        if ballot is None:
             handler.send_json(200, response.whole(choices, prompt_tokens))
             return
-        verdicts = [election.verdict() for election in elections]
-        size = len(choices) // len(elections)
+        verdicts = ballot.verdicts()
+        size = ballot.group
         body = response.whole([choices[i * size + verdict.winner] for i, verdict in enumerate(verdicts)],
                               prompt_tokens)
         body["usage"] = response.usage(choices, prompt_tokens)  # every attempt's tokens were generated
         body["reame"] = {"conclave": [verdict.summary() for verdict in verdicts]}
         self.metrics.add("reame_conclave_elections_total", len(verdicts))
         handler.send_json(200, body)
-
-    def vote(self, elections: list[Election], tag: int, choice: Choice, handles: list) -> None:
-        """An attempt ended: its vote, and once its prompt's majority is certain, the others stop."""
-        assert choice.finish is not None
-        size = len(handles) // len(elections)
-        group = tag // size
-        if elections[group].finished(tag % size, choice.text, choice.finish.reason,
-                                     choice.finish.usage.completion_tokens):
-            self.metrics.add("reame_conclave_early_stops_total")
-            for handle in handles[group * size:(group + 1) * size]:
-                if handle.finish is None:
-                    handle.cancel()
 
     def stream(self, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
                choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
