@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from reame.cache.store import Snapshot
-from reame.errors import ModelError, RequestError
+from reame.errors import RequestError
 from reame.model.sampling import SamplingParams
 from reame.structured.grammar import Grammar
 
@@ -204,24 +204,6 @@ class Handle:
         assert self.finish is not None
         pieces.append(self.finish.text)
         return Completion("".join(pieces), tokens, self.finish)
-
-
-class EmbeddingJob:
-    """Token inputs to embed, and the caller's end of the job: the engine thread fills `vectors`
-    (unit length, in input order) or `error`, then sets `done`."""
-
-    def __init__(self, inputs: list[list[int]]) -> None:
-        self.inputs = inputs
-        self.vectors: list[list[float]] = []
-        self.error = ""
-        self.done = threading.Event()
-
-    def result(self, timeout_s: float | None = None) -> list[list[float]]:
-        if not self.done.wait(timeout_s):
-            raise TimeoutError("the embeddings were not ready in time")
-        if self.error:
-            raise ModelError(self.error)
-        return self.vectors
 
 
 @dataclass(frozen=True)

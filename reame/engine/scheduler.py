@@ -30,10 +30,8 @@ dead (`status.dead`) and refuses new work with EngineUnavailable.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -45,6 +43,8 @@ from typing import Any
 from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.model.backend import DECODE_NO_KV_SLOT, Backend
 from reame.structured.grammar import GrammarTooAmbiguous, compiled
+from reame.engine import admission
+from reame.engine.embeddings import EmbeddingJob, Embeddings
 from reame.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -52,7 +52,6 @@ from reame.engine.request import (
     FINISH_STOP,
     FINISH_TIMEOUT,
     Completion,
-    EmbeddingJob,
     FinishEvent,
     GenerationRequest,
     Handle,
@@ -67,9 +66,6 @@ from reame.speculative import Drafting, Speculation
 
 log = logging.getLogger("reame.engine")
 
-# A cached prefix is worth taking a slot for when it covers this much of the new prompt.
-MIN_REUSED_TOKENS = 2
-MIN_REUSED_SHARE = 0.1
 # A prompt with at least this many tokens to prefill has its last token decoded in a step of its own.
 # A repeat of that prompt finds all but the last token in KV (slot reuse, session, prefix cache) and
 # decodes it alone too, so it computes exactly what the first request did: llama.cpp's numerics for a
@@ -157,6 +153,7 @@ class Engine:
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
+        self._limits = admission.ContextLimits(backend.n_ctx, backend.n_ctx_seq, backend.n_seq_max, reserve_tokens)
         self.max_answer_tokens = max_answer_tokens
         self.owns_backend = owns_backend
         self._exit_lock = threading.Lock()  # close() and the thread's end agree on who frees what, once
@@ -176,7 +173,7 @@ class Engine:
         self._slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
         self._running: list[Running] = []  # in admission order
         self._waiting: deque[Handle] = deque()
-        self._embedding: deque[tuple[EmbeddingJob, int]] = deque()  # jobs and how many inputs are done
+        self._embeddings = Embeddings()
         self._admissions = itertools.count()
         self._releases = itertools.count(1)
         self._drafts_paused = False  # one step without drafts after the KV ran full with them
@@ -264,18 +261,7 @@ class Engine:
         """Queue token inputs for embedding (RequestError at once for one the embedding context cannot
         hold); the engine thread computes them between generation steps."""
         self._check_available()
-        limit = self.backend.embedding_context_tokens
-        for index, tokens in enumerate(inputs):
-            if not tokens:
-                raise RequestError(f"input {index} is empty", param="input")
-            if len(tokens) > limit:
-                raise RequestError(f"This model's maximum context length for embeddings is {limit} tokens. However, "
-                                   f"input {index} has {len(tokens)} tokens. Please reduce its length.",
-                                   param="input", code="context_length_exceeded")
-            for token in tokens:
-                if not 0 <= token < self.backend.n_vocab:
-                    raise RequestError(f"token id {token} is outside the vocabulary", param="input")
-        job = EmbeddingJob(inputs)
+        job = EmbeddingJob.checked(inputs, self.backend)
         self._inbox.put(job)
         return job
 
@@ -422,7 +408,7 @@ class Engine:
     def _loop(self) -> None:
         inbox = self._inbox
         while True:
-            if not self._running and not self._waiting and not self._embedding:
+            if not self._running and not self._waiting and not self._embeddings.pending:
                 self._publish()
                 if not self._take(inbox.get()):
                     return
@@ -434,8 +420,8 @@ class Engine:
                 if not self._take(item):
                     return
             self._expire_waiting()
-            if self._embedding:
-                self._embed_some()
+            if self._embeddings.pending:
+                self._embeddings.step(self.backend)
             self._admit()
             if self._changed:
                 self._publish()
@@ -447,7 +433,7 @@ class Engine:
         if item is None:
             return False
         if isinstance(item, EmbeddingJob):
-            self._embedding.append((item, 0))
+            self._embeddings.add(item)
         elif isinstance(item, _Call):
             try:
                 item.result = item.function()
@@ -491,10 +477,7 @@ class Engine:
         self._running.clear()
         while self._waiting:
             self._reject(self._waiting.popleft(), reason, why)
-        while self._embedding:
-            job, _ = self._embedding.popleft()
-            job.error = why
-            job.done.set()
+        self._embeddings.fail_all(why)
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -504,8 +487,7 @@ class Engine:
                 for handle in item:
                     self._reject(handle, reason, why)
             elif isinstance(item, EmbeddingJob):
-                item.error = why
-                item.done.set()
+                item.failed(why)
             elif isinstance(item, _Call):
                 item.error = EngineUnavailable(why)
                 item.done.set()
@@ -528,7 +510,7 @@ class Engine:
                 continue
             # Admit only what the shared KV can hold beside what is running; the head of the queue
             # waits (and so does everyone behind it: first come, first served, no starvation).
-            if self._running and self._reserved_with(handle) > self.backend.n_ctx:
+            if self._running and admission.reserved_with(self._running, handle, self._limits) > self.backend.n_ctx:
                 break
             self._waiting.popleft()
             self._dequeued(handle)
@@ -546,31 +528,29 @@ class Engine:
         backend = self.backend
         params = handle.request.params
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else (), history=handle.prompt_tokens)
-        slot, shared = self._pick_slot(handle.prompt_tokens)
+        slot, shared = admission.pick_slot(self._slots, handle.prompt_tokens)
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
             room = backend.n_ctx_seq - len(handle.prompt_tokens)
             most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
             running = Running(handle, slot, sampler, most, next(self._admissions))
-            leader = self._prefilling_twin(handle)
-            saved = self._best_saved_state(handle) if leader is None else None
-            from_saved = min(common_prefix(saved.tokens, handle.prompt_tokens), len(handle.prompt_tokens) - 1) \
-                if saved is not None else 0
-            donor, from_donor = self._donor(handle.prompt_tokens) if leader is None else (None, 0)
-            if leader is not None:  # it computes the prompt once for both
+            start = admission.plan_start(handle, shared, self._running, backend.supports_rollback)
+            leader = start.leader
+            if start.source != "slot":
+                backend.seq_rm(slot.seq_id)  # what the slot held is not this prompt's start
+            if start.source == "donor":  # the cells are shared, not copied
+                assert start.donor is not None
+                backend.seq_cp(start.donor.seq_id, slot.seq_id, 0, start.shared)
+                shared = start.shared
+            elif start.source == "saved":
+                assert start.saved is not None
+                shared = self._restore(start.saved, slot.seq_id, start.shared)
+            elif start.source == "slot" and not backend.seq_rm(slot.seq_id, shared, -1):
                 backend.seq_rm(slot.seq_id)
                 shared = 0
-            elif donor is not None and from_donor > max(shared, from_saved):  # the cells are shared, not copied
-                backend.seq_rm(slot.seq_id)
-                backend.seq_cp(donor.seq_id, slot.seq_id, 0, from_donor)
-                shared = from_donor
-            elif from_saved > shared:
-                backend.seq_rm(slot.seq_id)
-                shared = self._restore(saved, slot.seq_id, from_saved)
-            elif not (shared and backend.seq_rm(slot.seq_id, shared, -1)):
-                backend.seq_rm(slot.seq_id)
-                shared = 0
+            else:
+                shared = start.shared if start.source == "slot" else 0
             running.n_fed = running.cached = shared
             running.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
@@ -588,29 +568,6 @@ class Engine:
             leader.followers.append(running)
         return running
 
-    def _prefilling_twin(self, handle: Handle) -> Running | None:
-        """A running request prefilling the same prompt, that this one can wait for instead of computing
-        it again (OpenAI `n`, the Conclave's attempts, identical requests arriving together)."""
-        request = handle.request
-        if request.warm or request.session is not None:
-            return None
-        return next((running for running in self._running if running.leader is None and not
-                     running.handle.request.warm and running.next_token is None and
-                     not running.generated_tokens and running.prompt == handle.prompt_tokens), None)
-
-    def _donor(self, prompt: list[int]) -> tuple[Running | None, int]:
-        """The running sequence whose KV holds the longest start of `prompt` (a document several users
-        ask about at once), and how much of it can be shared (never the last prompt token). Not with a
-        recurrent model's memory: it holds a sequence's state as a whole, with no start to share."""
-        best, best_shared = None, 0
-        if not self.backend.supports_rollback:
-            return best, best_shared
-        for running in self._running:
-            shared = min(common_prefix(running.held(), prompt), len(prompt) - 1)
-            if shared > best_shared:
-                best, best_shared = running, shared
-        return best, best_shared
-
     def _snapshot_point(self, running: Running) -> int:
         """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
         token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
@@ -623,55 +580,6 @@ class Engine:
         end = len(running.prompt) - 1
         return end if running.solo_last and end - running.cached >= cache.min_new_tokens else -1
 
-    def _reservation(self, handle: Handle) -> int:
-        """KV cells a request may fill: its prompt and its answer (max_tokens, or a default share)."""
-        return len(handle.prompt_tokens) + self._answer_reservation(handle)
-
-    def _answer_reservation(self, handle: Handle) -> int:
-        """KV cells reserved for a request's answer: its max_tokens (or `reserve_tokens` without one), at most
-        an equal share of the context per slot. A request asking the whole context (max_tokens 2^31, say)
-        would otherwise hold everyone behind it out of their slots until its minutes of generation end; past
-        its share it runs on, and if the context fills it is the one cut (`_relieve_full_kv`)."""
-        room = self.backend.n_ctx_seq - len(handle.prompt_tokens)
-        share = self.backend.n_ctx // self.backend.n_seq_max
-        return min(room, share, handle.request.params.max_tokens or self.reserve_tokens)
-
-    def _reserved_with(self, handle: Handle) -> int:
-        """KV cells the running requests and `handle` may fill together: requests with one prompt
-        share its cells (a clone's KV is the same cells, not a copy), so it counts once. Only prompts
-        of equal length are compared (this runs every step a request waits for room)."""
-        by_length: dict[int, list[list[int]]] = collections.defaultdict(list)
-        for prompt in [running.prompt for running in self._running] + [handle.prompt_tokens]:
-            by_length[len(prompt)].append(prompt)
-        prompt_cells = sum(length * (len({tuple(prompt) for prompt in same}) if len(same) > 1 else 1)
-                           for length, same in by_length.items())
-        return prompt_cells + self._answer_reservation(handle) + \
-            sum(self._answer_reservation(running.handle) for running in self._running)
-
-    def _pick_slot(self, prompt: list[int]) -> tuple[Slot, int]:
-        """The idle slot sharing the longest prefix with `prompt`, and how many of its cached
-        tokens can be kept (never the whole prompt: the last prompt token is always decoded,
-        for its logits). When no slot shares a useful prefix (a BOS is not one), an empty slot
-        or else the least recently used one is taken, so other slots keep their caches."""
-        idle = sorted((slot for slot in self._slots if slot.running is None), key=lambda slot: slot.used)
-        best, best_shared = idle[0], 0
-        for slot in idle:
-            shared = common_prefix(slot.held, prompt)
-            if shared > best_shared:
-                best, best_shared = slot, shared
-        if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
-            best = next((slot for slot in idle if not slot.held), idle[0])
-            best_shared = common_prefix(best.held, prompt)
-        return best, min(best_shared, len(prompt) - 1)
-
-    @staticmethod
-    def _best_saved_state(handle: Handle) -> SessionState | Snapshot | None:
-        """The request's session or its prefix-cache snapshot, whichever covers more of the prompt."""
-        session = handle.request.session
-        saved = [state for state in (session.state if session is not None else None, handle.snapshot)
-                 if state is not None and state.blob]
-        return max(saved, key=lambda state: common_prefix(state.tokens, handle.prompt_tokens), default=None)
-
     def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
         """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
         cache = self.cache if isinstance(saved, Snapshot) else None
@@ -683,30 +591,6 @@ class Engine:
         if cache is not None:
             cache.restored(shared)
         return shared
-
-    # --- engine thread: embeddings -----------------------------------------------------
-
-    def _embed_some(self) -> None:
-        """One embedding decode: the next inputs of the oldest job that fit one batch. Between two of
-        them the running generations take a step, so a large embeddings request slows them, never stalls them."""
-        job, done = self._embedding[0]
-        backend = self.backend
-        end, tokens = done, 0
-        while end < len(job.inputs) and end - done < backend.embedding_batch and \
-                tokens + len(job.inputs[end]) <= backend.embedding_context_tokens:
-            tokens += len(job.inputs[end])
-            end += 1
-        try:
-            job.vectors.extend(unit_length(vector) for vector in backend.embed(job.inputs[done:end]))
-        except Exception as error:  # one failed job fails alone
-            log.exception("embedding failed")
-            job.error = _describe(error)
-            end = len(job.inputs)
-        if end < len(job.inputs):
-            self._embedding[0] = (job, end)
-            return
-        self._embedding.popleft()
-        job.done.set()
 
     # --- engine thread: a step ----------------------------------------------------------
 
@@ -798,7 +682,8 @@ class Engine:
             self._changed = True
             return
         # The one furthest beyond its reservation ran the KV out (ties: the newest).
-        offender = max(self._running, key=lambda r: (r.n_fed - self._reservation(r.handle), r.admission))
+        offender = max(self._running, key=lambda r: (r.n_fed - admission.reservation(r.handle, self._limits),
+                                                     r.admission))
         self._finish(offender, FINISH_LENGTH, "the context is full")
 
     def _apply(self, plan: StepPlan, seconds: float) -> None:
@@ -956,12 +841,6 @@ class Engine:
         self._dequeued(handle)
         self._changed = True
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
-
-
-def unit_length(vector: Sequence[float]) -> list[float]:
-    """`vector` scaled to length 1 (OpenAI's embeddings are normalised: a dot product is the cosine)."""
-    norm = math.sqrt(math.fsum(value * value for value in vector))
-    return [value / norm for value in vector] if norm > 0 else list(vector)
 
 
 def _describe(error: Exception) -> str:

@@ -204,7 +204,7 @@ def test_a_repeated_prompt_reuses_the_slot_kv_on_the_real_model(backend):
 
 
 def test_embeddings_pool_alone_as_in_a_batch_and_leave_the_generation_kv_alone(backend):
-    from reame.engine.scheduler import unit_length
+    from reame.engine.embeddings import unit_length
     texts = ["The cat sat on the mat.", "A cat is sitting on a rug.", "Stock markets fell sharply today."]
     tokens = [backend.tokenize(text) for text in texts]
     prompt = backend.tokenize("Once upon a time")
