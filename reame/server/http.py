@@ -16,8 +16,8 @@ connection, so no proxy in front can read a request's end elsewhere than we do.
 A body is read (under the size limit) before its route takes a request slot,
 and a body no route reads is drained before the next request (or the
 connection is closed), so an error never desynchronises a keep-alive
-connection. SSE responses end the connection. Routing and the OpenAI logic
-live in openai_api.py.
+connection. SSE responses end the connection. The routes and what they answer
+are in app.py and apis/.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from reame.errors import ListenError
 from reame.server.http import ReameHTTPServer, ServerSettings
 from reame.server.answers import AnswerCache
 from reame.server.metrics import Sample
-from reame.server.openai_api import App
+from reame.server.app import App
 from reame.server.sessions import Sessions
 
 log = logging.getLogger("reame.server")

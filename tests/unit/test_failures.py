@@ -89,10 +89,14 @@ def test_a_handler_waiting_on_a_dead_engine_answers_instead_of_hanging(stream):
 
 
 def test_a_bug_in_a_route_is_a_500_in_openais_shape_and_the_server_goes_on(engine, monkeypatch, caplog):
-    from reame.server import openai_api
+    import dataclasses
+
+    from reame.server.app import ROUTER
     server = Live(engine)
     try:
-        monkeypatch.setitem(openai_api.ROUTES, "/v1/models", lambda self, handler, path: 1 / 0)
+        route = ROUTER._exact["/v1/models"]
+        monkeypatch.setitem(ROUTER._exact, "/v1/models",
+                            dataclasses.replace(route, handler=lambda app, handler, path: 1 / 0))
         status, body = server.json("GET", "/v1/models")
         assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
         assert "ZeroDivisionError" in caplog.text

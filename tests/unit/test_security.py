@@ -5,7 +5,8 @@ import pytest
 
 from reame.engine import Engine
 from tests.fakes.backend import FakeBackend
-from reame.server import http, openai_api
+from reame.server import http
+from reame.server.app import ROUTER
 
 from .test_server import Live
 
@@ -23,8 +24,11 @@ def guarded(tmp_path):
         server.close()
 
 
-@pytest.mark.parametrize("path", sorted(openai_api.ROUTES) + PARAMETRIC +
-                         [route.removeprefix("/v1") for route in openai_api.ROUTES if route.startswith("/v1/")])
+PRIVATE = sorted(route.path for route in ROUTER.routes if not route.public and not route.prefix)
+
+
+@pytest.mark.parametrize("path", PRIVATE + PARAMETRIC +
+                         [path.removeprefix("/v1") for path in PRIVATE if path.startswith("/v1/")])
 @pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
 def test_every_route_but_health_needs_a_key(guarded, path, method):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "first-key"}):

@@ -1,0 +1,197 @@
+"""OpenAI's API: completions, chat completions, embeddings, models, and llama-server's tokenize, detokenize
+and warm. Request bodies are read by validation.py (a wrong type is a 400 naming the field, never a crash),
+generations run through generation.py and are shaped by shapes.py, so the official SDKs work unchanged."""
+
+from __future__ import annotations
+
+import array
+import base64
+import queue
+import sys
+from typing import Any
+
+from reame.engine import FinishEvent, GenerationRequest
+from reame.errors import ModelError
+from reame.server import generation
+from reame.server.http import Handler, HttpError
+from reame.server.routes import Route
+from reame.server.service import POLL_S, Service
+from reame.server.validation import (Fields, best_of, chat_messages, check_model, completion_prompts,
+                                     embedding_inputs)
+from reame.structured.requested import forced_tool_grammar, requested_grammar
+from reame.structured.tools import template_messages, tool_request
+
+
+def models(app: Service, handler: Handler, _path: str) -> None:
+    handler.send_json(200, {"object": "list", "data": [app.model_card()]})
+
+
+def model(app: Service, handler: Handler, path: str) -> None:
+    if path[len("/v1/models/"):] != app.settings.model_id:
+        raise HttpError(404, f"the model '{path[len('/v1/models/'):]}' does not exist; this server "
+                        f"serves '{app.settings.model_id}'", param="model", code="model_not_found")
+    handler.send_json(200, app.model_card())
+
+
+def warm(app: Service, handler: Handler, _path: str) -> None:
+    """Prefill a prompt (or a chat's messages, without the assistant turn) into the prefix cache."""
+    fields = Fields(handler.read_json())
+    engine = app.ready_engine()
+    if "messages" in fields.body:
+        prompt: Any = engine.backend.apply_chat_template(chat_messages(fields.body["messages"]),
+                                                         add_assistant=False)
+    else:
+        prompts = completion_prompts(fields.body.get("prompt"))
+        if len(prompts) != 1:
+            raise HttpError(400, "warm one prompt per request", param="prompt", code="invalid_value")
+        prompt = prompts[0]
+    request = GenerationRequest(prompt, warm=True)
+    if engine.cache is None:
+        tokens = app.submit_checked(lambda: engine.prompt_tokens(request))
+        handler.send_json(200, {"object": "warm", "warmed": False, "tokens": len(tokens), "cached_tokens": 0,
+                                "message": "the prefix cache is off on this server"})
+        return
+    handle = app.submit_checked(lambda: engine.submit(request))
+    finish = None
+    while finish is None:
+        try:
+            finish = next(event for event in handle.events(POLL_S) if isinstance(event, FinishEvent))
+        except queue.Empty:
+            app.check_engine()
+            if handler.client_gone():
+                handle.cancel()
+                handler.close_connection = True
+                return
+    if finish.reason != "stop":
+        raise HttpError(503 if finish.reason == "timeout" else 500, finish.message or f"warming {finish.reason}",
+                        "server_error", "warm_failed")
+    usage = finish.usage
+    handler.send_json(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
+                            "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3)})
+
+
+def tokenize(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    content = fields.body.get("content")
+    if not isinstance(content, str):
+        raise fields.bad("content", "a string")
+    tokens = app.ready_engine().backend.tokenize(content, add_special=fields.boolean("add_special", False))
+    handler.send_json(200, {"tokens": tokens})
+
+
+def detokenize(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    tokens = fields.body.get("tokens")
+    backend = app.ready_engine().backend
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise fields.bad("tokens", "an array of token ids")
+    if any(not 0 <= t < backend.n_vocab for t in tokens):
+        raise HttpError(400, f"'tokens' holds an id outside the vocabulary (0..{backend.n_vocab - 1})",
+                        param="tokens", code="invalid_value")
+    handler.send_json(200, {"content": backend.detokenize(tokens)})
+
+
+def embeddings(app: Service, handler: Handler, _path: str) -> None:
+    """OpenAI's embeddings: one unit-length vector per input, from the model's embedding context."""
+    fields = Fields(handler.read_json())
+    engine = app.ready_engine()
+    check_model(fields)
+    encoding = fields.body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise HttpError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format",
+                        code="invalid_value")
+    dimensions = fields.integer("dimensions", None, 1, None)
+    if dimensions not in (None, engine.backend.n_embd):
+        raise HttpError(400, f"this model's embeddings have {engine.backend.n_embd} dimensions and cannot be "
+                        f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
+    inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
+              else list(item) for item in embedding_inputs(fields.body.get("input"))]
+    job = app.submit_checked(lambda: engine.embed(inputs))
+    while not job.done.wait(POLL_S):
+        app.check_engine()
+        if handler.client_gone():
+            handler.close_connection = True
+            return
+    try:
+        vectors = job.result(0)
+    except ModelError as error:
+        raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
+    data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
+            for index, vector in enumerate(vectors)]
+    used = sum(len(tokens) for tokens in inputs)
+    handler.send_json(200, {"object": "list", "data": data, "model": app.settings.model_id,
+                            "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+def completions(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    engine = app.ready_engine()
+    check_model(fields)
+    prompts = completion_prompts(fields.body.get("prompt"))
+    suffix = fields.body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise fields.bad("suffix", "a string")
+    echo = fields.boolean("echo", False)
+    logprobs = fields.integer("logprobs", None, 0, 5)
+    if echo and logprobs is not None:
+        raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
+                        code="unsupported_parameter")
+    max_tokens = fields.integer("max_tokens", 16, 1, None)
+    generation.generate(app, handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
+                  suffix=suffix, grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False))
+
+
+def chat_completions(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    engine = app.ready_engine()
+    check_model(fields)
+    for legacy in ("functions", "function_call"):
+        if fields.body.get(legacy):
+            raise HttpError(400, f"'{legacy}' is deprecated and not supported: use 'tools' and 'tool_choice'",
+                            param=legacy, code="unsupported_parameter")
+    tools = tool_request(fields.body)
+    top_logprobs = fields.integer("top_logprobs", None, 0, 20)
+    logprobs = (top_logprobs or 0) if fields.boolean("logprobs", False) else None
+    if top_logprobs is not None and logprobs is None:
+        raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                        code="invalid_value")
+    grammar = requested_grammar(fields.body)
+    if tools is not None and tools.forced is not None:
+        if grammar is not None:
+            raise HttpError(400, "a forced tool call already fixes the answer's shape: drop response_format",
+                            param="response_format", code="invalid_value")
+        grammar = forced_tool_grammar(tools)
+    messages = chat_messages(fields.body.get("messages"))
+    max_tokens = fields.integer("max_completion_tokens", None, 1, None)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", None, 1, None)
+    in_template = engine.backend.template_supports_tools
+    # The model's template (or role-prefixed lines without one), and the start of a forced tool call.
+    prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
+                                tools.tools if tools and in_template else None)
+    if tools is not None:
+        prompt += tools.prefill
+    generation.generate(app, handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs,
+                  tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True))
+
+
+def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+    """A vector as floats, or as OpenAI's base64 of little-endian float32s."""
+    if encoding == "float":
+        return vector
+    packed = array.array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+ROUTES = [
+    Route("/v1/completions", ("POST",), completions),
+    Route("/v1/chat/completions", ("POST",), chat_completions),
+    Route("/v1/embeddings", ("POST",), embeddings),
+    Route("/v1/models", ("GET",), models),
+    Route("/v1/models/", ("GET",), model, prefix=True),
+    Route("/v1/warm", ("POST",), warm),
+    Route("/tokenize", ("POST",), tokenize),
+    Route("/detokenize", ("POST",), detokenize),
+]

@@ -1,0 +1,45 @@
+"""Reame's sessions: a conversation's KV kept between requests, created, described, saved, loaded, deleted."""
+
+from __future__ import annotations
+
+from reame.server.http import Handler, HttpError
+from reame.server.routes import Route
+from reame.server.service import Service
+from reame.server.validation import Fields
+
+
+def create_session(app: Service, handler: Handler, _path: str) -> None:
+    sessions = app.ready_sessions()
+    body = handler.read_json() if handler.read_body() else {}  # the body is optional
+    wanted = Fields(body).body.get("id")
+    if wanted is not None and not isinstance(wanted, str):
+        raise Fields(body).bad("id", "a string")
+    session_id = sessions.create(handler.owner, wanted)
+    handler.send_json(200, {"id": session_id, "object": "session"})
+
+
+def session(app: Service, handler: Handler, path: str) -> None:
+    sessions, owner = app.ready_sessions(), handler.owner
+    session_id, _, action = path[len("/v1/sessions/"):].partition("/")
+    if action == "" and handler.command == "GET":
+        handler.send_json(200, sessions.describe(owner, session_id))
+    elif action == "" and handler.command == "DELETE":
+        sessions.delete(owner, session_id)
+        handler.send_json(200, {"id": session_id, "deleted": True})
+    elif action == "save" and handler.command == "POST":
+        sessions.save(owner, session_id)
+        handler.send_json(200, sessions.describe(owner, session_id))
+    elif action == "load" and handler.command == "POST":
+        sessions.load(owner, session_id)
+        handler.send_json(200, sessions.describe(owner, session_id))
+    elif action in ("", "save", "load"):
+        raise HttpError(405, f"{handler.command} is not allowed on this session path", code="method_not_allowed")
+    else:
+        raise HttpError(404, f"unknown session action: {action}", code="not_found")
+
+
+
+ROUTES = [
+    Route("/v1/sessions", ("POST",), create_session),
+    Route("/v1/sessions/", ("GET", "DELETE", "POST"), session, prefix=True),
+]

@@ -1,0 +1,141 @@
+"""The HTTP application: the Service with its routes, dispatched with auth and method checks, and the
+routes of the server itself (health, the web page, metrics). The API families live in apis/."""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import resources
+
+from reame.cache import prefix
+from reame.errors import EngineUnavailable, RequestError
+from reame.server.apis import openai, sessions
+from reame.server.http import Handler, HttpError, ServerSettings
+from reame.server.answers import AnswerCache
+from reame.server.metrics import Metrics, Sample
+from reame.server.routes import Route, Router
+from reame.server.service import Service, as_http_error
+from reame.server.sessions import SessionError, Sessions
+
+log = logging.getLogger("reame.server")
+WEB_PAGE = resources.files("reame.web").joinpath("index.html").read_bytes()
+
+
+class App(Service):
+    """Routes requests to the engine. `engine` is None while the model loads (/health says 503)."""
+
+    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
+                 sessions: Sessions | None = None, answers: AnswerCache | None = None) -> None:
+        super().__init__(settings, metrics, sessions, answers)
+        self.metrics.collector(self.cache_samples)
+        self.metrics.collector(self.speculation_samples)
+
+    def cache_samples(self) -> list[Sample]:
+        cache = self.engine.cache if self.engine is not None else None
+        stats = cache.stats() if cache is not None else dict.fromkeys({**prefix.STATS, **prefix.GAUGES}, 0)
+        return [Sample(f"reame_prefix_cache_{name}_total", "counter", text, {}, stats[name])
+                for name, text in prefix.STATS.items()] + \
+            [Sample(f"reame_prefix_cache_{name}", "gauge", text, {}, stats[name])
+             for name, text in prefix.GAUGES.items()]
+
+    def speculation_samples(self) -> list[Sample]:
+        speculation = self.engine.speculation if self.engine is not None else None
+        if speculation is None:
+            return []
+        stats = speculation.stats.snapshot()
+        samples = []
+        for source, counts in sorted(stats.sources.items()):
+            for what, value in (("drafted", counts.drafted), ("accepted", counts.accepted)):
+                samples.append(Sample(f"reame_spec_decode_{what}_total", "counter",
+                                      f"draft tokens {what}, by draft source", {"source": source}, value))
+        for kind, value in (("plain", stats.steps_plain), ("speculative", stats.steps_speculative)):
+            samples.append(Sample("reame_spec_decode_steps_total", "counter", "engine steps with and without drafts",
+                                  {"kind": kind}, value))
+        for position, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at)):
+            if position and drafted:
+                samples.append(Sample("reame_spec_decode_acceptance", "gauge",
+                                      "share of drafts at this position the model accepted",
+                                      {"position": str(position)}, accepted / drafted))
+        samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
+                              stats.last_draft_length))
+        for source, seconds in sorted(speculation.seconds_per_draft().items()):
+            samples.append(Sample("reame_spec_decode_draft_seconds_per_token", "gauge",
+                                  "recent drafting time per drafted token, by draft source", {"source": source},
+                                  seconds))
+        for source, acceptance in sorted(speculation.acceptance().items()):
+            samples.append(Sample("reame_spec_decode_source_acceptance", "gauge",
+                                  "recent acceptance per draft token, verified or guessed, by draft source",
+                                  {"source": source}, acceptance))
+        return samples
+
+    def count_response(self, status: int) -> None:
+        self.metrics.add("reame_requests_total", status=str(status))
+
+    def dispatch(self, handler: Handler) -> None:
+        route, path = ROUTER.find(handler.path.split("?", 1)[0])
+        try:
+            if (route is None or not route.public) and not handler.authorized():
+                raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if route is None:
+                raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
+            if handler.command not in route.methods:
+                raise HttpError(405, f"{handler.command} is not allowed here; use {' or '.join(route.methods)}",
+                                code="method_not_allowed", headers={"Allow": ", ".join(route.methods)})
+            route.handler(self, handler, path)
+        except (HttpError, SessionError, EngineUnavailable, RequestError) as error:
+            handler.discard_body()  # before answering: the client may still be sending it
+            handler.send_error_json(as_http_error(error))
+        except (BrokenPipeError, ConnectionResetError):
+            handler.close_connection = True
+        except RecursionError:  # input nested deeper than a check below foresaw: the input's fault, not a bug
+            handler.close_connection = True
+            if not handler.response_started:
+                handler.send_error_json(HttpError(400, "the request is nested too deeply", code="invalid_value"))
+        except Exception:  # a bug: the client gets a 500 in OpenAI's shape, the log the traceback, once
+            log.exception("unexpected error answering %s %s", handler.command, path)
+            handler.close_connection = True
+            if not handler.response_started:
+                handler.send_error_json(HttpError(500, "internal server error (see the server log)", "server_error",
+                                                  "internal_error"))
+
+    def health(self, handler: Handler, _path: str = "/health") -> None:
+        """Liveness, and whether the other endpoints need a key (the web page asks for one only then)."""
+        auth = bool(self.settings.api_keys)
+        if self.engine is None:
+            handler.send_json(503, {"status": "loading", "auth": auth}, {"Retry-After": "5"})
+        elif self.engine.status.dead:
+            handler.send_json(503, {"status": "error", "message": self.engine.status.dead, "auth": auth})
+        else:
+            handler.send_json(200, {"status": "ok", "auth": auth})
+
+    def web_page(self, handler: Handler, _path: str) -> None:
+        """The built-in page (reame/web/index.html): chat playground and live dashboard."""
+        handler.send_body(200, WEB_PAGE, "text/html; charset=utf-8",
+                          {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                           "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                                      "style-src 'unsafe-inline'; img-src 'self' data:"})
+
+    def stats(self, handler: Handler, _path: str) -> None:
+        """Every metric as JSON, with the model and the server's clock: what the dashboard polls."""
+        if not self.settings.metrics:
+            raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
+        handler.send_json(200, {"model": self.settings.model_id, "time": time.time(),
+                                "samples": self.metrics.as_json()})
+
+    def metrics_text(self, handler: Handler, _path: str) -> None:
+        if not self.settings.metrics:
+            raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
+        handler.send_body(200, self.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+
+ROUTER = Router([
+    Route("/health", ("GET", "HEAD"), App.health, public=True),
+    Route("/", ("GET", "HEAD"), App.web_page, public=True),
+    Route("/index.html", ("GET", "HEAD"), App.web_page, public=True),
+    Route("/metrics", ("GET",), App.metrics_text),
+    Route("/stats", ("GET",), App.stats),
+    *openai.ROUTES,
+    *sessions.ROUTES,
+])

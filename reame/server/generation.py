@@ -1,0 +1,273 @@
+"""Generations over the engine, as OpenAI's completions and chat shape them: prompts and their choices (or the
+Conclave's attempts) submitted together, answered from the exact answer cache where one is kept, a session
+reserved and released as soon as its turn ends, and the events streamed as SSE or collected into one answer
+while the client is still there."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from reame.conclave import Ballot, attempts
+from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from reame.errors import EngineUnavailable, OverloadedError, RequestError
+from reame.model.sampling import MAX_SEED
+from reame.server.answers import AnswerTap, StoredAnswer
+from reame.server.http import Handler, HttpError
+from reame.server.service import POLL_S, Service, refusal
+from reame.server.shapes import Choice, Response
+from reame.server.validation import MAX_CHOICES, Fields, sampling_params, stream_usage
+from reame.structured.tools import ToolRequest, tool_parser
+
+
+def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
+             max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
+             tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
+             elect_among: int = 1) -> None:
+    """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts."""
+    n = fields.integer("n", 1, 1, MAX_CHOICES)
+    assert n is not None
+    if len(prompts) * max(n, elect_among) > MAX_CHOICES:
+        raise HttpError(400, f"a request asks at most {MAX_CHOICES} generations in all (prompts × n × best_of); "
+                        f"this one asks {len(prompts) * max(n, elect_among)}", param="n", code="invalid_value")
+    stream = fields.boolean("stream", False)
+    include_usage = stream_usage(fields)
+    seed = fields.integer("seed", None, 0, 2**32 - 2)
+    if elect_among > 1 and stream:
+        raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
+                        "streamed", param="best_of", code="unsupported_parameter")
+    reserved = session_for(app, handler.owner, fields, max(n, elect_among), prompts)
+    session = reserved[1] if reserved else None
+
+    released = False
+
+    def release_session() -> None:
+        # As soon as every choice has finished (the engine has stored the session's state), not
+        # after the answer is written: a client's next turn may arrive before this thread returns.
+        # Once only: by the `finally` below, that next turn may hold the session.
+        nonlocal released
+        if reserved and not released:
+            released = True
+            app.ready_sessions().release(handler.owner, reserved[0])
+    try:
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
+        requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix,
+                                      streamed=stream)
+                    for prompt_index, prompt in enumerate(prompts)
+                    for params in attempt_params(base, seed, prompt_index, n, elect_among)]
+        # One deterministic answer (greedy, or an explicit seed) may already be in the shared store.
+        cacheable = app.answers is not None and len(requests) == 1 and session is None and \
+            logprobs is None and (base.temperature == 0 or seed is not None)
+        answer_key = None
+        try:
+            handles = None
+            if cacheable:
+                # Tokenized once: the key is over the tokens, and the engine gets them as they are.
+                tokens = engine.prompt_tokens(requests[0])
+                requests = [dataclasses.replace(requests[0], prompt=tokens, suffix=None)]
+                answer_key = cache_key(app, tokens, requests[0].params, chat, tools, seed)
+                handles = from_store(app, tokens, answer_key, sink)
+            if handles is None:
+                handles = engine.submit_together(requests, sink)
+        except (RequestError, OverloadedError) as error:
+            raise refusal(error, "messages" if chat else "prompt") from None
+        if answer_key is not None and not isinstance(handles[0], StoredAnswer):
+            sink = AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish))
+        group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
+        prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
+        echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
+        response = Response(chat, app.settings.model_id, engine.backend.token_piece if logprobs is not None
+                            else None, per_prompt=group)
+        choices = [Choice(parser=tool_parser(tools)) for _ in handles]
+        if stream:
+            stream_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
+                        release_session)
+        else:
+            ballot = Ballot(handles, elect_among) if elect_among > 1 else None
+            collect_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, release_session,
+                         ballot)
+    finally:
+        release_session()
+
+
+def cache_key(app: Service, tokens: list[int], params: SamplingParams, chat: bool, tools: ToolRequest | None,
+               seed: int | None) -> bytes:
+    """The request's key in the exact answer cache."""
+    assert app.answers is not None
+    if seed is None and params.temperature == 0:
+        params = dataclasses.replace(params, seed=None)  # greedy: the random seed given to it does not count
+    shape = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
+    return app.answers.key(tokens, params, shape)
+
+
+def from_store(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
+    """The answer from the store as the engine's events, or None on a miss (counted either way)."""
+    assert app.answers is not None
+    cached = app.answers.get(key)
+    app.metrics.add("reame_answer_cache_lookups_total", result="hit" if cached else "miss")
+    if cached is None:
+        return None
+    sink.put((0, TokenEvent(-1, cached.text)))
+    sink.put((0, cached.finish(len(tokens))))
+    return [StoredAnswer(tokens)]
+
+
+def keep_answer(app: Service, key: bytes, text: str, finish: FinishEvent) -> None:
+    assert app.answers is not None
+    if app.answers.put(key, text, finish):
+        app.metrics.add("reame_answer_cache_stored_total")
+
+
+def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
+                   elect_among: int) -> list[SamplingParams]:
+    """Each choice's settings (seeds follow on from the request's), or the Conclave's attempts."""
+    if elect_among > 1:
+        return attempts(dataclasses.replace(base, seed=None if seed is None else
+                                            (seed + prompt_index) % (MAX_SEED + 1)), elect_among)
+    return [dataclasses.replace(base, seed=(seed + prompt_index * n + j) % (MAX_SEED + 1) if seed is not None
+                                else random.randrange(MAX_SEED + 1)) for j in range(n)]
+
+
+def echo_text(engine: Engine, prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
+
+
+def collect_answer(app: Service, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
+            choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
+            ballot: Ballot | None = None) -> None:
+    """The whole answer once every choice ended; with `ballot`, one elected per prompt among its attempts
+    (each votes as it ends, a prompt's others stop once its majority is certain)."""
+    for choice, echo in zip(choices, echoes):
+        choice.pieces.append(echo)
+    remaining = len(handles)
+    checked = time.monotonic()
+    while remaining:
+        tag, event = app.next_event(sink)
+        if time.monotonic() - checked >= POLL_S:
+            checked = time.monotonic()
+            if handler.client_gone():
+                for handle in handles:
+                    handle.cancel()
+                handler.close_connection = True
+                return
+        if event is None:
+            continue
+        choices[tag].pieces.append(event.text)
+        if isinstance(event, TokenEvent):
+            if event.logprob is not None:
+                choices[tag].tokens.append(event)
+        else:
+            choices[tag].finish = event
+            remaining -= 1
+            if ballot is not None and ballot.finished(tag, choices[tag].text, event.reason,
+                                                      event.usage.completion_tokens):
+                app.metrics.add("reame_conclave_early_stops_total")
+    finished()
+    app.account(choices)
+    for choice in choices:
+        if choice.parser is not None:  # the text becomes content and tool calls
+            said = choice.parser.feed(choice.text) + choice.parser.finish()
+            choice.pieces = [item for kind, item in said if kind == "content"]
+    if any(c.finish and c.finish.reason == "timeout" for c in choices):
+        raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
+                        "server_error", "queue_timeout", headers={"Retry-After": "5"})
+    failed = next((c.finish for c in choices if c.finish and c.finish.reason == "error"), None)
+    if failed is not None and failed.code:  # the request's own doing (its grammar): the client can fix it
+        raise HttpError(400, failed.message, code=failed.code)
+    if failed is not None:
+        raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
+    if ballot is None:
+        handler.send_json(200, response.whole(choices, prompt_tokens))
+        return
+    verdicts = ballot.verdicts()
+    size = ballot.group
+    body = response.whole([choices[i * size + verdict.winner] for i, verdict in enumerate(verdicts)],
+                          prompt_tokens)
+    body["usage"] = response.usage(choices, prompt_tokens)  # every attempt's tokens were generated
+    body["reame"] = {"conclave": [verdict.summary() for verdict in verdicts]}
+    app.metrics.add("reame_conclave_elections_total", len(verdicts))
+    handler.send_json(200, body)
+
+
+def stream_answer(app: Service, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
+           choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
+           finished: Callable[[], None]) -> None:
+    handler.start_sse()
+    try:
+        for index, echo in enumerate(echoes):
+            first = response.first_chunk(index, echo)
+            if first is not None:
+                handler.send_event(first)
+        remaining = len(handles)
+        while remaining:
+            tag, event = app.next_event(sink)
+            if event is None:
+                continue
+            choice = choices[tag]
+            if isinstance(event, TokenEvent):
+                if event.logprob is not None:
+                    choice.tokens.append(event)
+                if choice.parser is not None:
+                    send_said(handler, response, tag, choice, choice.parser.feed(event.text))
+                elif event.text and not choice.tokens:
+                    handler.send_event(response.text_chunk(tag, event.text))
+                elif event.text:  # held-back tokens' logprobs ride along with the next chunk
+                    handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
+                    choice.tokens = []
+                handles[tag].delivered()
+                continue
+            choice.finish = event
+            remaining -= 1
+            if not remaining:
+                finished()
+            if event.reason in ("error", "timeout"):
+                code = event.code or ("generation_failed" if event.reason == "error" else "queue_timeout")
+                kind = "invalid_request_error" if event.code else "server_error"
+                handler.send_event({"error": {"message": event.message, "type": kind, "param": None,
+                                              "code": code}})
+                continue
+            text = event.text
+            if choice.parser is not None:
+                send_said(handler, response, tag, choice,
+                               choice.parser.feed(event.text) + choice.parser.finish())
+                text = ""
+            handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
+        app.account(choices)
+        if include_usage:
+            handler.send_event(response.usage_chunk(choices, prompt_tokens))
+        handler.send_event("[DONE]")
+    except OSError:  # the client went away: stop generating for it
+        for handle in handles:
+            handle.cancel()
+    except EngineUnavailable as error:  # the stream has begun: the error goes in it, and it ends
+        handler.send_event({"error": {"message": str(error), "type": "server_error", "param": None,
+                                      "code": "engine_unavailable"}})
+
+
+def send_said(handler: Handler, response: Response, tag: int, choice: Choice,
+              said: list[tuple[str, Any]]) -> None:
+    """Stream what a tool-call parser let through: content chunks, and each finished call."""
+    for kind, item in said:
+        if kind == "content":
+            handler.send_event(response.chunk(tag, item, tokens=choice.tokens))
+            choice.tokens = []
+        else:
+            handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item), item))
+
+
+def session_for(app: Service, owner: str, fields: Fields, n: int, prompts: list[Any]) -> tuple[str, Any] | None:
+    session_id = fields.body.get("session")
+    if session_id is None:
+        return None
+    if not isinstance(session_id, str):
+        raise fields.bad("session", "a session id string")
+    if n != 1 or len(prompts) != 1:
+        raise HttpError(400, "a session continues one conversation: use n = 1 and one prompt", param="session",
+                        code="invalid_value")
+    return session_id, app.ready_sessions().acquire(owner, session_id)
+
