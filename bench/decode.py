@@ -19,7 +19,8 @@ import subprocess
 from common import bench_parser, llama_tool, machine, model_path, print_table, summary
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend, ModelSettings
+from reame.model.backend import ModelSettings
+from reame.model.llama import LlamaBackend
 from reame.native import LLAMA_COMMIT
 
 PROMPT = "Write a long story about a lighthouse keeper."

@@ -23,7 +23,8 @@ import numpy as np
 from common import bench_parser, machine, model_path, print_table
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend, ModelSettings
+from reame.model.backend import ModelSettings
+from reame.model.llama import LlamaBackend
 from reame.native import LLAMA_COMMIT
 
 CHUNK = 128

@@ -26,7 +26,8 @@ PROMPT = "Write a long story about a lighthouse keeper."
 
 def worker(model: str, threads: int, n_tokens: int) -> None:
     from reame.engine import Engine, GenerationRequest, SamplingParams
-    from reame.model.backend import LlamaBackend, ModelSettings
+    from reame.model.backend import ModelSettings
+    from reame.model.llama import LlamaBackend
     params = SamplingParams(temperature=0, max_tokens=n_tokens + 1, ignore_eos=True)
     with LlamaBackend(ModelSettings(model, n_ctx=n_tokens + 64, n_threads=threads)) as backend, \
             Engine(backend) as engine:

@@ -245,7 +245,8 @@ def trace_warm_request(path: str, args: argparse.Namespace, document: str) -> li
     """Where one warm request's time goes: the document is prefilled once, then a new question is timed
     phase by phase through the engine (the server adds its HTTP parsing and the event's write)."""
     from reame.engine import Engine, GenerationRequest, SamplingParams
-    from reame.model.backend import LlamaBackend, ModelSettings
+    from reame.model.backend import ModelSettings
+    from reame.model.llama import LlamaBackend
 
     backend = LlamaBackend(ModelSettings(path, n_ctx=args.ctx, n_threads=args.threads, n_seq_max=4))
     steps: list[str] = []

@@ -19,7 +19,8 @@ import time
 
 from common import bench_parser, machine, model_path, print_table, summary
 
-from reame.model.backend import LlamaBackend, ModelSettings
+from reame.model.backend import ModelSettings
+from reame.model.llama import LlamaBackend
 from reame.engine.request import SamplingParams
 from reame.model.sampling import chain_steps
 from reame.native import LLAMA_COMMIT

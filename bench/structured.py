@@ -141,7 +141,8 @@ def valid(text: str) -> bool:
 def step_costs(path: str, threads: int, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 16),
                reps: int = 5) -> dict[int, float]:
     """Fastest seconds of a decode step carrying k tokens of one sequence with logits, per k."""
-    from reame.model.backend import LlamaBackend, ModelSettings
+    from reame.model.backend import ModelSettings
+    from reame.model.llama import LlamaBackend
     with LlamaBackend(ModelSettings(path, n_ctx=2048, n_threads=threads)) as backend:
         context = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 30)
         backend.decode(context, range(len(context)), [0] * len(context), [False] * len(context))

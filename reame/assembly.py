@@ -17,7 +17,8 @@ from reame.arca.client import StoreAddress, StoreClient
 from reame.speculative.corpus import Corpus
 from reame.cache import PrefixCache
 from reame.engine import Engine
-from reame.model.backend import LlamaBackend, ModelSettings
+from reame.model.backend import ModelSettings
+from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError, ModelFileError
 from reame.native import cache_root
 from reame.server.answers import AnswerCache

@@ -24,7 +24,8 @@ from reame.arca.store import AOF_NAME, check_log
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend, usable_cores
+from reame.model.backend import usable_cores
+from reame.model.llama import LlamaBackend
 from reame.conclave import MAX_ATTEMPTS, convene
 from reame.structured.grammar import GrammarError
 from reame.structured.json_schema import schema_to_gbnf

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from reame.ctypes_llama import types as t
-from reame.model.backend import init_native, last_llama_error
+from reame.model.library import init_native, last_llama_error
 from reame.errors import ConfigError, ModelError
 
 QUANT_TYPES = {

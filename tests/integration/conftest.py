@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from reame.model.backend import LlamaBackend, ModelSettings
+from reame.model.backend import ModelSettings
+from reame.model.llama import LlamaBackend
 
 N_CTX = 2048
 N_SEQ = 4

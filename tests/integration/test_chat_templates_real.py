@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reame.model.backend import LlamaBackend
+from reame.model.llama import LlamaBackend
 
 from .conftest import settings_for
 

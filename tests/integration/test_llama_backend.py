@@ -3,7 +3,8 @@
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.model.backend import DECODE_OK, LlamaBackend
+from reame.model.backend import DECODE_OK
+from reame.model.llama import LlamaBackend
 from reame.model.sampling import Step, chain_steps
 
 from .conftest import settings_for

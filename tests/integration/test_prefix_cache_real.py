@@ -6,7 +6,7 @@ import pytest
 
 from reame.cache import PrefixCache, Snapshot
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend
+from reame.model.llama import LlamaBackend
 
 from .conftest import settings_for
 from .test_cli_real import reame

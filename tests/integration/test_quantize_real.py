@@ -10,7 +10,7 @@ import pytest
 
 from reame import gguf
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend
+from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError
 from reame.quantize import QUANT_TYPES, quantized_path, requantize
 from tests.integration.conftest import settings_for

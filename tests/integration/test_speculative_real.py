@@ -1,7 +1,7 @@
 """Speculative decoding on the real model: the same greedy answer, with drafts accepted."""
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend
+from reame.model.llama import LlamaBackend
 from reame.speculative import CostModel, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.model.backend import LlamaBackend
+from reame.model.llama import LlamaBackend
 from reame.structured.json_schema import schema_to_gbnf
 from reame.model.sampling import chain_steps
 from reame.speculative import Speculation
