@@ -42,7 +42,8 @@ from typing import Any
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.model.backend import DECODE_NO_KV_SLOT, Backend
-from reame.structured.grammar import GrammarTooAmbiguous, compiled
+from reame.structured.grammar import GrammarTooAmbiguous
+from reame.structured.gbnf import compiled
 from reame.engine import admission
 from reame.engine.embeddings import EmbeddingJob, Embeddings
 from reame.engine.request import (

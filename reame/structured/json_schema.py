@@ -26,7 +26,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from reame.structured.grammar import MAX_REPETITION, GrammarError
+from reame.structured.grammar import GrammarError
+from reame.structured.gbnf import MAX_REPETITION
 
 ANNOTATIONS = {"title", "description", "examples", "default", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$anchor", "strict", "name"}

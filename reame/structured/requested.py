@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reame.structured.grammar import compiled
+from reame.structured.gbnf import compiled
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.errors import RequestError
 from reame.structured.tools import ToolRequest, forced_call_grammar

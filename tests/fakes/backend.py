@@ -27,7 +27,8 @@ from typing import Any
 
 from reame.model.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
 from reame.model.chat_template import ChatTemplate
-from reame.structured.grammar import GrammarState, GrammarTooAmbiguous, compiled
+from reame.structured.grammar import GrammarState, GrammarTooAmbiguous
+from reame.structured.gbnf import compiled
 from reame.model.sampling import Step
 from reame.errors import ModelError
 

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from reame.structured.grammar import GrammarError, parse_gbnf
+from reame.structured.grammar import GrammarError
+from reame.structured.gbnf import parse_gbnf
 from reame.model.sampling import chain_steps
 from reame.errors import ModelError
 

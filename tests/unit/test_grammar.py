@@ -9,7 +9,8 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
-from reame.structured.grammar import GrammarError, GrammarState, parse_gbnf
+from reame.structured.grammar import GrammarError, GrammarState
+from reame.structured.gbnf import parse_gbnf
 from reame.structured.json_schema import JSON_OBJECT_GBNF, integer_range, schema_to_gbnf
 
 

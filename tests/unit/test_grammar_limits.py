@@ -13,16 +13,8 @@ from hypothesis import strategies as st
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
-from reame.structured.grammar import (
-    CACHE_BYTES,
-    MAX_ELEMENTS,
-    MAX_REPETITION,
-    GrammarError,
-    GrammarState,
-    GrammarTooAmbiguous,
-    compiled,
-    parse_gbnf,
-)
+from reame.structured.grammar import GrammarError, GrammarState, GrammarTooAmbiguous
+from reame.structured.gbnf import CACHE_BYTES, MAX_ELEMENTS, MAX_REPETITION, compiled, parse_gbnf
 from reame.structured.json_schema import schema_to_gbnf
 
 FUZZ = settings(max_examples=int(os.environ.get("REAME_FUZZ_EXAMPLES", "150")), deadline=None,

@@ -5,7 +5,7 @@ import json
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import EOS, IM_END, N_VOCAB, FakeBackend
-from reame.structured.grammar import compiled
+from reame.structured.gbnf import compiled
 from reame.structured.json_schema import schema_to_gbnf
 from reame.speculative import Speculation
 from reame.speculative.suggeritore import Suggeritore
