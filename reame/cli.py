@@ -20,7 +20,7 @@ from typing import Any
 from reame import __version__, assembly, catalog, config, fetch
 from reame.arca import server as arca_server
 from reame.arca.types import ArcaSettings
-from reame.arca.store import AOF_NAME, check_log
+from reame.arca.aof import AOF_NAME, check_log
 from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams

@@ -29,16 +29,8 @@ from reame.arca.commands import COMMANDS, execute
 from reame.arca.connection import Connection
 from reame.arca.resp import Error, Reply
 from reame.arca.state import ArcaState
-from reame.arca.store import (
-    AOF_NAME,
-    AppendOnlyFile,
-    Keyspace,
-    LogDamaged,
-    now_ms,
-    read_log,
-    snapshot_records,
-    truncate_log,
-)
+from reame.arca.store import Keyspace, now_ms
+from reame.arca.aof import AOF_NAME, AppendOnlyFile, LogDamaged, read_log, snapshot_records, truncate_log
 from reame.arca.types import ArcaSettings, Blocked, Client
 from reame.errors import ListenError
 from reame.files import private_directory

@@ -12,7 +12,8 @@ import time
 from collections.abc import Mapping
 
 from reame.arca.resp import Reply, command_bytes
-from reame.arca.store import AppendOnlyFile, Keyspace
+from reame.arca.store import Keyspace
+from reame.arca.aof import AppendOnlyFile
 from reame.arca.types import ArcaSettings, Blocked, Client
 
 

@@ -14,7 +14,8 @@ from typing import Callable
 
 from reame.engine import Engine
 from reame.errors import ListenError
-from reame.server.http import ReameHTTPServer, ServerSettings
+from reame.server.http import ServerSettings
+from reame.server.listener import ReameHTTPServer
 from reame.server.answers import AnswerCache
 from reame.server.metrics import Sample
 from reame.server.app import App

@@ -4,7 +4,8 @@ import pytest
 
 from reame.arca.resp import OK, Error, Simple, command_bytes
 from reame.arca.server import Arca, ArcaSettings, Client
-from reame.arca.store import AOF_NAME, now_ms
+from reame.arca.store import now_ms
+from reame.arca.aof import AOF_NAME
 from tests.waiting import wait_until
 
 

@@ -13,7 +13,8 @@ from reame import cli
 from reame.arca import server as arca_server
 from reame.arca.resp import command_bytes
 from reame.arca.server import Arca, ArcaSettings
-from reame.arca.store import AOF_NAME, ENTRY_OVERHEAD, EXPIRY_OVERHEAD, Keyspace, LogDamaged, check_log, now_ms
+from reame.arca.store import ENTRY_OVERHEAD, EXPIRY_OVERHEAD, Keyspace, now_ms
+from reame.arca.aof import AOF_NAME, LogDamaged, check_log
 from tests.arca_thread import arca_thread
 from tests.sockets import until_closed
 from tests.waiting import wait_until

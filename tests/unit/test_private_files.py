@@ -10,7 +10,7 @@ import pytest
 
 from reame.arca.resp import command_bytes
 from reame.arca.server import Arca, ArcaSettings
-from reame.arca.store import AOF_NAME
+from reame.arca.aof import AOF_NAME
 from reame.cache.store import DiskStore, Snapshot, write_atomically
 from reame.files import FileLock, create_private, private_directory
 from reame.speculative.archive import Archive

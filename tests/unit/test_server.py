@@ -11,7 +11,8 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import N_VOCAB, FakeBackend, gated_rule
-from reame.server.http import ReameHTTPServer, ServerSettings
+from reame.server.http import ServerSettings
+from reame.server.listener import ReameHTTPServer
 from reame.server.app import App
 from tests.waiting import wait_until
 
