@@ -1,6 +1,6 @@
 """Admission: which slot a request takes, where its prompt's KV comes from, and whether the shared context holds
 it beside the running sequences. Pure functions over slots, sequences and handles: no backend. The engine
-thread carries out what they decide (`Engine._start`).
+thread carries out what they decide (`Sequences.start`, sequences.py).
 
 An idle slot keeps the KV of its last request: a new request goes to the idle slot whose cached tokens share
 the longest prefix with its prompt. Better still, a request can wait for a running twin that is prefilling
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from reame.cache import Snapshot, common_prefix
 from reame.engine.request import Handle, SessionState
-from reame.engine.slots import Running, Slot
+from reame.engine.slots import Phase, Running, Slot
 
 # A cached prefix is worth taking a slot for when it covers this much of the new prompt.
 MIN_REUSED_TOKENS = 2
@@ -37,7 +37,7 @@ def answer_reservation(handle: Handle, limits: ContextLimits) -> int:
     """KV cells reserved for a request's answer: its max_tokens (or `reserve_tokens` without one), at most an
     equal share of the context per slot. A request asking the whole context (max_tokens 2^31, say) would
     otherwise hold everyone behind it out of their slots until its minutes of generation end; past its share
-    it runs on, and if the context fills it is the one cut (`Engine._relieve_full_kv`)."""
+    it runs on, and if the context fills it is the one cut (`Sequences.relieve_full_kv`)."""
     room = limits.n_ctx_seq - len(handle.prompt_tokens)
     share = limits.n_ctx // limits.n_seq_max
     return min(room, share, handle.request.params.max_tokens or limits.reserve_tokens)
@@ -84,9 +84,8 @@ def prefilling_twin(running: Sequence[Running], handle: Handle) -> Running | Non
     request = handle.request
     if request.warm or request.session is not None:
         return None
-    return next((sequence for sequence in running if sequence.leader is None and not
-                 sequence.handle.request.warm and sequence.next_token is None and
-                 not sequence.generated_tokens and sequence.prompt == handle.prompt_tokens), None)
+    return next((sequence for sequence in running if sequence.phase is Phase.PROMPT and
+                 not sequence.handle.request.warm and sequence.prompt == handle.prompt_tokens), None)
 
 
 def donor(running: Sequence[Running], prompt: list[int], rollback: bool) -> tuple[Running | None, int]:

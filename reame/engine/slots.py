@@ -1,20 +1,30 @@
-"""Sequence slots: what each slot of the shared KV holds, and the request it serves.
+"""Sequence slots: what each slot of the shared KV holds, the request it serves, and where that request is.
 
-Owned by the engine thread; nothing here is read by another thread. Other
-threads see what they need of it through the `EngineStatus` the engine
-publishes (scheduler.py).
+Owned by the engine thread (sequences.py); nothing here is read by another
+thread. Other threads see what they need of it through the `EngineStatus` the
+engine publishes (scheduler.py).
 """
 
 from __future__ import annotations
 
+import codecs
+import enum
 import time
 
-import codecs
-
-from reame.structured.grammar import GrammarState
 from reame.engine.request import Handle, SessionState
 from reame.engine.textstream import TextStream
 from reame.speculative import Drafting
+from reame.structured.grammar import GrammarState
+
+
+class Phase(enum.Enum):
+    """Where a running request is (llama-server's slot_state, for one request): each step's plan reads it,
+    the engine thread's transitions set it."""
+
+    FOLLOWING = "following"  # waits for a twin to prefill the same prompt, then shares its cells
+    PROMPT = "prompt"  # its prompt is being fed (a warm request stays here until it is snapshotted)
+    GENERATING = "generating"  # `next_token` is sampled and goes into the next step
+    FINISHED = "finished"  # answered; its slot is free
 
 
 class Running:
@@ -37,6 +47,7 @@ class Running:
         "max_tokens",
         "n_fed",
         "next_token",
+        "phase",
         "prompt",
         "sampler",
         "slot",
@@ -51,8 +62,9 @@ class Running:
         self.admission = admission  # admission order: breaks ties when the KV is full
         self.sampler = sampler
         self.prompt = handle.prompt_tokens
+        self.phase = Phase.PROMPT
         self.n_fed = 0  # tokens of this sequence in the KV cache
-        self.next_token: int | None = None  # sampled, not yet decoded
+        self.next_token: int | None = None  # sampled, not yet decoded (Phase.GENERATING)
         self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
         self.cached = 0  # prompt tokens found in the KV instead of prefilled
         self.snapshot_at = -1  # KV length at which to snapshot the prompt into the prefix cache (-1: never)
@@ -70,7 +82,7 @@ class Running:
         # Requests with the same prompt that arrived while this one prefilled it: they wait, and get a
         # copy of its KV and a draw from its last prompt token's logits (one prefill for all of them).
         self.followers: list[Running] = []
-        self.leader: Running | None = None  # set while this one waits on another's prefill
+        self.leader: Running | None = None  # set while this one waits on another's prefill (Phase.FOLLOWING)
 
     @property
     def seq_id(self) -> int:
@@ -82,6 +94,23 @@ class Running:
 
     def session_state(self, blob: bytes | memoryview) -> SessionState:
         return SessionState(tuple(self.held()), blob)
+
+    def follow(self, leader: Running) -> None:
+        """Wait for `leader`'s prefill of the same prompt."""
+        self.phase, self.leader = Phase.FOLLOWING, leader
+        leader.followers.append(self)
+
+    def lead(self, fed: int, followers: list[Running]) -> None:
+        """The first `fed` prompt tokens are in this sequence's KV (copied from its leader's): it feeds the
+        rest itself, leading `followers`."""
+        self.n_fed = self.cached = fed
+        self.phase, self.leader, self.followers = Phase.PROMPT, None, followers
+        for follower in followers:
+            follower.leader = self
+
+    def generate(self, token: int) -> None:
+        """`token` was emitted and goes into the next step."""
+        self.phase, self.next_token = Phase.GENERATING, token
 
 
 class Slot:

@@ -5,7 +5,7 @@ sequence holds (prompt, then each emitted token) and proposes the tokens it
 expects next. Deterministic sources (prompt lookup, the Palimpsest, Il
 Suggeritore, a greedy draft model) put all their probability on each proposed
 token, which is what makes verification exact with a plain draw from the
-target (see `Engine._verify`).
+target (see `verify` in engine/step.py).
 
 Drafters are made, asked and released on the engine thread, so a source that
 computes (a draft model) decodes on the same thread as the target.

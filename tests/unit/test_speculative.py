@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.engine import Engine, GenerationRequest, SamplingParams, step
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
 from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expected_tokens
@@ -49,10 +49,9 @@ class FrozenCost(CostModel):
         return [1.0 + self.per_token * (n - 1) for n in range(first, last + 1)]
 
 
-def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule, engine_class=Engine,
-             backend_class=FakeBackend):
+def generate(prompt, params, speculation=None, n_seq_max=1, rule=copying_rule, backend_class=FakeBackend):
     backend = backend_class(n_ctx=4096, n_seq_max=n_seq_max, n_batch=256, rule=rule)
-    with engine_class(backend, speculation=speculation) as engine:
+    with Engine(backend, speculation=speculation) as engine:
         result = engine.generate(GenerationRequest(prompt, params))
     return result, backend
 
@@ -198,22 +197,23 @@ class ForcingBackend(FakeBackend):
         return self.forced.get(index, token)
 
 
-class AcceptEverything(Engine):
+REAL_VERIFY = step.verify
+
+
+def accept_everything(backend, draw, top):
     """A broken verifier: every draft is kept, whatever the model would have drawn."""
-
-    def _verify(self, running, index, drafts, drafting):
-        self.backend.forced = {index + row: token for row, token in enumerate(drafts)}
-        try:
-            super()._verify(running, index, drafts, drafting)
-        finally:
-            self.backend.forced = {}
+    backend.forced = {draw.row + row: token for row, token in enumerate(draw.drafts)}
+    try:
+        return REAL_VERIFY(backend, draw, top)
+    finally:
+        backend.forced = {}
 
 
-def test_the_same_test_fails_a_verifier_that_accepts_every_draft():
+def test_the_same_test_fails_a_verifier_that_accepts_every_draft(monkeypatch):
     """The test above has teeth: run through a verifier that keeps every draft, c shows far too often."""
+    monkeypatch.setattr(step, "verify", accept_everything)
     speculation = Speculation(AlwaysDraft(ord("c")), max_draft=4, cost=FrozenCost())
-    counts, drafted, accepted = speculated_draws(speculation, engine_class=AcceptEverything,
-                                                 backend_class=ForcingBackend)
+    counts, drafted, accepted = speculated_draws(speculation, backend_class=ForcingBackend)
     assert accepted == drafted > 3000
     assert counts[ord("c")] > 2 * 0.2 * 6000 and chi_square(counts) > 100 * CHI_SQUARE_P001
 

@@ -1,0 +1,264 @@
+"""The slots of the shared KV and the requests running in them: a request's start in a slot, the tokens it
+emits, its end, and the KV moves these call for (a follower taking over its leader's prefill, the relief of a
+full context).
+
+Engine thread only. What a start does is decided by the pure rules of admission.py; what a step feeds and
+samples, by step.py; this module carries out the transitions of each request's `Phase` (slots.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from reame.cache import PrefixCache, Snapshot
+from reame.engine import admission
+from reame.engine.request import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FinishEvent,
+    Handle,
+    SessionState,
+    TokenEvent,
+    Usage,
+)
+from reame.engine.slots import Phase, Running, Slot
+from reame.model.backend import Backend
+from reame.model.sampling import chain_steps
+from reame.speculative import Speculation
+from reame.structured.grammar import GrammarTooAmbiguous
+
+log = logging.getLogger("reame.engine")
+
+# A prompt with at least this many tokens to prefill has its last token decoded in a step of its own.
+# A repeat of that prompt finds all but the last token in KV (slot reuse, session, prefix cache) and
+# decodes it alone too, so it computes exactly what the first request did: llama.cpp's numerics for a
+# token alone differ from those of the same token in a larger batch, and a repeated prompt would
+# otherwise get another greedy answer. The price, one decode step, is under 12% of such a prefill here;
+# a short tail after a restored prefix is prefilled in one step, as a cold run of it would be.
+SOLO_LAST_TOKEN_PREFILL = 64
+
+
+class Sequences:
+    """Owns the slots and the running requests (in admission order), on the engine thread."""
+
+    def __init__(self, backend: Backend, limits: admission.ContextLimits, cache: PrefixCache | None,
+                 speculation: Speculation | None, max_answer_tokens: int) -> None:
+        self.backend = backend
+        self.limits = limits
+        self.cache = cache
+        self.speculation = speculation
+        self.max_answer_tokens = max_answer_tokens
+        self.slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
+        self.running: list[Running] = []
+        self.first_tokens: list[Handle] = []  # streamed requests whose first token the last step emitted
+        self.changed = False  # what the engine publishes of the slots is out of date
+        self._admissions = itertools.count()
+        self._releases = itertools.count(1)
+
+    @property
+    def full(self) -> bool:
+        return len(self.running) >= len(self.slots)
+
+    def fits(self, handle: Handle) -> bool:
+        """The shared KV holds the request's reservation beside what runs."""
+        return not self.running or \
+            admission.reserved_with(self.running, handle, self.limits) <= self.backend.n_ctx
+
+    # --- a start ----------------------------------------------------------------------
+
+    def start(self, handle: Handle) -> Running:
+        """Give a request a slot with its KV ready to extend, and its own sampler chain."""
+        backend = self.backend
+        params = handle.request.params
+        steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else (), history=handle.prompt_tokens)
+        slot, shared = admission.pick_slot(self.slots, handle.prompt_tokens)
+        # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
+        sampler = backend.new_sampler(steps)
+        try:
+            room = backend.n_ctx_seq - len(handle.prompt_tokens)
+            most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
+            running = Running(handle, slot, sampler, most, next(self._admissions))
+            start = admission.plan_start(handle, shared, self.running, backend.supports_rollback)
+            if start.source != "slot":
+                backend.seq_rm(slot.seq_id)  # what the slot held is not this prompt's start
+            if start.source == "donor":  # the cells are shared, not copied
+                assert start.donor is not None
+                backend.seq_cp(start.donor.seq_id, slot.seq_id, 0, start.shared)
+                shared = start.shared
+            elif start.source == "saved":
+                assert start.saved is not None
+                shared = self._restore(start.saved, slot.seq_id, start.shared)
+            elif start.source == "slot" and not backend.seq_rm(slot.seq_id, shared, -1):
+                backend.seq_rm(slot.seq_id)
+                shared = 0
+            else:
+                shared = start.shared if start.source == "slot" else 0
+            running.n_fed = running.cached = shared
+            running.solo_last = not handle.request.warm and \
+                len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
+            running.snapshot_at = self._snapshot_point(running)
+            if self.speculation is not None and not handle.request.warm:
+                running.draftings = self.speculation.start(handle.prompt_tokens, handle.grammar)
+        except BaseException:
+            backend.free_sampler(sampler)
+            backend.seq_rm(slot.seq_id)
+            slot.held = []
+            raise
+        slot.running, slot.held = running, []  # only now: a failed start must not lose its slot
+        if start.leader is not None:
+            running.follow(start.leader)
+        self.running.append(running)
+        self.changed = True
+        return running
+
+    def _snapshot_point(self, running: Running) -> int:
+        """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
+        token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
+        cache = self.cache
+        request = running.handle.request
+        if cache is None or request.session is not None:
+            return -1
+        if request.warm:
+            return len(running.prompt) if not cache.has(running.prompt) else -1
+        end = len(running.prompt) - 1
+        return end if running.solo_last and end - running.cached >= cache.min_new_tokens else -1
+
+    def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
+        """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        cache = self.cache if isinstance(saved, Snapshot) else None
+        if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
+            self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
+            if cache is not None:
+                cache.restore_failed(saved)
+            return 0
+        if cache is not None:
+            cache.restored(shared)
+        return shared
+
+    # --- while running -----------------------------------------------------------------
+
+    def retire(self) -> None:
+        """End what needs no step: cancelled requests, and warm requests whose prompt is snapshotted."""
+        for running in list(self.running):
+            if running.handle.cancelled:
+                self.finish(running, FINISH_CANCELLED)
+            elif running.handle.request.warm and running.n_fed >= max(running.snapshot_at, 0):
+                self.finish(running, FINISH_STOP)
+
+    def emit(self, running: Running, token: int, logprob: float | None = None,
+             top: tuple[tuple[int, float], ...] = ()) -> None:
+        """The sequence drew `token`: stream it, or end the request (an end-of-generation token, a stop
+        string, its length, a grammar grown too ambiguous)."""
+        backend = self.backend
+        if not running.first_token_at:
+            running.first_token_at = time.perf_counter()
+        if backend.is_eog(token):
+            self.finish(running, FINISH_STOP)
+            return
+        running.generated_tokens.append(token)
+        piece = backend.token_piece(token)
+        if running.grammar is not None and not self._follow_grammar(running, piece):
+            return
+        if running.draftings:
+            assert self.speculation is not None
+            self.speculation.observe(running.draftings, (token,))
+        text = running.stream.push(piece)
+        running.handle._put(TokenEvent(token, text, logprob, top))
+        if len(running.generated_tokens) == 1 and running.handle.request.streamed:
+            self.first_tokens.append(running.handle)
+        if running.stream.stopped:
+            self.finish(running, FINISH_STOP)
+        elif len(running.generated_tokens) >= running.max_tokens:
+            self.finish(running, FINISH_LENGTH)
+        elif running.n_fed + 1 > backend.n_ctx_seq:
+            self.finish(running, FINISH_LENGTH, "the context is full")
+        else:
+            running.generate(token)
+
+    def _follow_grammar(self, running: Running, piece: bytes) -> bool:
+        """Read the token's text into the request's grammar state; False when that ended the request (the
+        text leaves the grammar more ambiguous than it may be: a clear error, not a stalled engine)."""
+        assert running.grammar is not None
+        try:
+            if not running.grammar.feed(running.grammar_text.decode(piece)):
+                running.grammar = None  # llama.cpp's sampler allowed what ours refuses: nothing to bound
+        except GrammarTooAmbiguous as error:
+            self.finish(running, FINISH_ERROR, str(error), code="grammar_too_ambiguous")
+            return False
+        return True
+
+    def _hand_over(self, leader: Running) -> None:
+        """A leader ends before its prompt is in: the first follower takes over what it prefilled so
+        far and leads the others."""
+        heir, *others = leader.followers
+        leader.followers = []
+        self.backend.seq_cp(leader.seq_id, heir.seq_id, 0, leader.n_fed)
+        heir.lead(leader.n_fed, others)
+
+    def relieve_full_kv(self) -> None:
+        """The shared context is full (with no drafts to drop): the KV that idle slots keep for reuse goes
+        first; only then does a running sequence give way."""
+        cached = [slot for slot in self.slots if slot.running is None and slot.held]
+        if cached:
+            largest = max(cached, key=lambda slot: len(slot.held))
+            self.backend.seq_rm(largest.seq_id)
+            largest.held = []
+            self.changed = True
+            return
+        # The one furthest beyond its reservation ran the KV out (ties: the newest).
+        offender = max(self.running, key=lambda r: (r.n_fed - admission.reservation(r.handle, self.limits),
+                                                    r.admission))
+        self.finish(offender, FINISH_LENGTH, "the context is full")
+
+    def forget_idle(self) -> None:
+        """Drop what idle slots keep for reuse (the KV and the record of it)."""
+        for slot in self.slots:
+            if slot.running is None and slot.held:
+                self.backend.seq_rm(slot.seq_id)
+                slot.held = []
+        self.changed = True
+
+    # --- an end --------------------------------------------------------------------------
+
+    def finish(self, running: Running, reason: str, message: str = "", code: str = "") -> None:
+        """Answer the request and free its slot, which keeps the KV of a completed answer for reuse."""
+        now = time.perf_counter()
+        running.phase = Phase.FINISHED
+        session = running.handle.request.session
+        kept = reason in (FINISH_STOP, FINISH_LENGTH)
+        held = running.held() if kept else []
+        if session is not None and kept:
+            session.state = running.session_state(self.backend.seq_state_get(running.seq_id))
+        tail = "" if reason == FINISH_CANCELLED else running.stream.flush()
+        first = running.first_token_at or now
+        usage = Usage(len(running.prompt), len(running.generated_tokens), first - running.admitted_at, now - first,
+                      running.cached, running.drafted, running.accepted_drafts)
+        self.running.remove(running)
+        if running.followers:
+            self._hand_over(running)
+        if running.leader is not None:
+            running.leader.followers.remove(running)
+        slot = running.slot
+        if not held:
+            self.backend.seq_rm(slot.seq_id)
+        self.backend.free_sampler(running.sampler)
+        Speculation.release(running.draftings)
+        # Kept for the next request that shares its prefix; `used` makes it the most recently used.
+        slot.running, slot.held, slot.used = None, held, next(self._releases)
+        self.changed = True
+        running.handle._put(FinishEvent(reason, usage, message, text=tail, code=code))
+
+    def finish_all(self, reason: str, why: str) -> None:
+        """Answer every running request (the engine is stopping or failed): even when the backend, which
+        may be what failed, cannot free their slots."""
+        for running in list(self.running):
+            try:
+                self.finish(running, reason, why)
+            except Exception:  # the client still gets its answer
+                running.handle._put(FinishEvent(reason, Usage(len(running.prompt), len(running.generated_tokens),
+                                                               0.0, 0.0), why))
+        self.running.clear()

@@ -1,0 +1,273 @@
+"""One engine step: plan → execute → apply.
+
+`plan_step` is pure: from the running sequences' phases it decides which rows the next decode carries (each
+generating sequence's next token, with the room its drafts may take; then prompt chunks in the room left
+under the batch size). `Stepper.execute` does everything that calls the model: it asks the draft sources
+for drafts, fits the prompt chunks into what they left of the batch, runs the one `backend.decode`, draws
+every sequence's tokens with its own sampler chain (verifying drafts), and makes the KV edits the outputs
+call for (rejected drafts dropped, a prompt snapshotted, followers given their leader's prompt).
+`Stepper.apply` then updates the sequences from that outcome: prompt progress, tokens emitted (which may
+end requests), the speculation controllers, statistics and cost model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from reame.cache import PrefixCache, Snapshot
+from reame.engine.sequences import Sequences
+from reame.engine.slots import Phase, Running
+from reame.model.backend import DECODE_NO_KV_SLOT, Backend
+from reame.model.sampling import log_softmax_of
+from reame.speculative import Drafting, Speculation
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A generating sequence's next token, and how many drafts may follow it (0: none asked)."""
+
+    running: Running
+    draft_room: int
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Up to `take` prompt tokens of a sequence, from `start` (fewer when drafts took the batch's room)."""
+
+    running: Running
+    start: int
+    take: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next decode carries, decided from the sequences' state alone (no model call)."""
+
+    decodes: tuple[Decode, ...] = ()
+    chunks: tuple[PromptChunk, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.chunks)
+
+
+def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
+              drafts_allowed: bool) -> StepPlan:
+    """The next decode's rows: each generating sequence's next token (with room for drafts once it has two
+    tokens out: drafting right after the first would keep the engine thread on the GIL while that token's
+    handler waits to send it), then prompts, at most `prefill_chunk_tokens` per step while sequences
+    decode, so a long newcomer delays running streams by one chunk, never by its whole prompt. With no
+    stream to protect, a prompt takes the whole batch."""
+    decodes = tuple(Decode(sequence, _draft_room(sequence, n_ctx_seq) if drafts_allowed else 0)
+                    for sequence in running if sequence.phase is Phase.GENERATING)
+    budget = n_batch - len(decodes)
+    if decodes and prefill_chunk_tokens:
+        budget = min(budget, prefill_chunk_tokens)
+    chunks = []
+    for sequence in running:
+        if budget <= 0:
+            break
+        if sequence.phase is not Phase.PROMPT or sequence.n_fed >= len(sequence.prompt):
+            continue
+        end = len(sequence.prompt)
+        if sequence.solo_last and sequence.n_fed < end - 1:
+            end -= 1  # the last token goes alone, in a later step
+        take = min(budget, end - sequence.n_fed)
+        chunks.append(PromptChunk(sequence, sequence.n_fed, take))
+        budget -= take
+    return StepPlan(decodes, tuple(chunks))
+
+
+def _draft_room(sequence: Running, n_ctx_seq: int) -> int:
+    if not sequence.draftings or len(sequence.generated_tokens) < 2:
+        return 0
+    return max(0, min(sequence.max_tokens - len(sequence.generated_tokens) - 1, n_ctx_seq - sequence.n_fed - 1))
+
+
+Chosen = tuple[int, float | None, tuple[tuple[int, float], ...]]  # a token, its logprob, the top logprobs
+
+
+@dataclass
+class Draw:
+    """A sequence's outputs in a decode: its first output row, the drafts after it and their source, and
+    (once executed) the tokens its sampler chain chose."""
+
+    running: Running
+    row: int
+    drafts: list[int]
+    drafting: Drafting | None
+    decoding: bool  # its next token was in the decode (not its prompt's last)
+    chosen: list[Chosen] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.chosen) - 1
+
+
+@dataclass
+class Batch:
+    """The rows of one decode."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+    outputs: list[bool] = field(default_factory=list)
+
+    def add(self, tokens: list[int], first_position: int, seq_id: int, output: bool) -> None:
+        self.tokens.extend(tokens)
+        self.positions.extend(range(first_position, first_position + len(tokens)))
+        self.seq_ids.extend([seq_id] * len(tokens))
+        self.outputs.extend([output] * len(tokens))
+
+
+@dataclass
+class StepOutcome:
+    """What a decode did: the prompt tokens fed, each sequence's draws, the snapshots taken, the leaders
+    whose followers now share their prompt, and what the step cost."""
+
+    kv_full: bool = False
+    rows: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    fed: list[tuple[Running, int]] = field(default_factory=list)
+    draws: list[Draw] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    clones: list[Running] = field(default_factory=list)
+
+
+def verify(backend: Backend, draw: Draw, top: int | None) -> list[Chosen]:
+    """Sample the sequence's outputs in order: drafts are accepted while the model's own choice
+    equals them; its first different choice (or the token after the last draft) ends the run.
+
+    Drafts put all their probability on one token, so Leviathan's rule (accept with p(d), else
+    draw from p without d) is exactly "draw from p, keep it if it is d": every emitted token is
+    a plain draw from the model with the request's chain, greedy or not.
+    """
+    chosen: list[Chosen] = []
+    for offset in range(len(draw.drafts) + 1):
+        row = draw.row + offset
+        token = backend.sample(draw.running.sampler, row)
+        logprobs = (None, ()) if top is None else log_softmax_of(backend.logits(row), token, top)
+        chosen.append((token, *logprobs))
+        if offset == len(draw.drafts) or token != draw.drafts[offset]:
+            break
+    return chosen
+
+
+class Stepper:
+    """Executes step plans on the engine thread, and applies their outcome to the sequences."""
+
+    def __init__(self, backend: Backend, sequences: Sequences, cache: PrefixCache | None,
+                 speculation: Speculation | None, prefill_chunk_tokens: int) -> None:
+        self.backend = backend
+        self.sequences = sequences
+        self.cache = cache
+        self.speculation = speculation
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.drafts_paused = False  # one step without drafts after the KV ran full with them
+
+    def plan(self) -> StepPlan:
+        return plan_step(self.sequences.running, self.backend.n_batch, self.backend.n_ctx_seq,
+                         self.prefill_chunk_tokens, self.speculation is not None and not self.drafts_paused)
+
+    def step(self) -> None:
+        """Plan, execute, apply one decode (nothing when no sequence has a row to feed)."""
+        plan = self.plan()
+        if plan:
+            self.apply(self.execute(plan))
+
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        """Drafts, the decode, the draws, and the KV edits they call for."""
+        backend = self.backend
+        batch, outcome = Batch(), StepOutcome()
+        for decode in plan.decodes:
+            running = decode.running
+            drafting, drafts = self._drafts(decode, len(plan.decodes) + outcome.drafted, len(plan.decodes))
+            outcome.drafted += len(drafts)
+            assert running.next_token is not None
+            outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, decoding=True))
+            batch.add([running.next_token, *drafts], running.n_fed, running.seq_id, True)
+        room = backend.n_batch - len(batch.tokens)  # drafts come first: a chunk shrinks by what they took
+        for chunk in plan.chunks:
+            running, take = chunk.running, min(chunk.take, room)
+            if take <= 0:
+                break
+            room -= take
+            last = chunk.start + take == len(running.prompt) and not running.handle.request.warm
+            batch.add(running.prompt[chunk.start:chunk.start + take], chunk.start, running.seq_id, False)
+            outcome.fed.append((running, take))
+            if last:
+                batch.outputs[-1] = True
+                row = len(batch.tokens) - 1
+                outcome.draws.extend(Draw(sequence, row, [], None, decoding=False)
+                                     for sequence in [running, *running.followers])
+                if running.followers:
+                    outcome.clones.append(running)
+        started = time.perf_counter()
+        status = backend.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
+        outcome.seconds, outcome.rows = time.perf_counter() - started, len(batch.tokens)
+        if status == DECODE_NO_KV_SLOT:
+            outcome.kv_full = True
+            return outcome
+        for running, take in outcome.fed:
+            if running.n_fed + take == running.snapshot_at:
+                outcome.snapshots.append(Snapshot(tuple(running.prompt[:running.snapshot_at]),
+                                                  backend.seq_state_get(running.seq_id)))
+        for leader in outcome.clones:
+            for follower in leader.followers:
+                backend.seq_cp(leader.seq_id, follower.seq_id, 0, len(leader.prompt))
+        for draw in outcome.draws:
+            draw.chosen = verify(backend, draw, draw.running.handle.request.logprobs)
+            if draw.decoding and draw.accepted < len(draw.drafts):  # the rejected drafts' KV goes
+                backend.seq_rm(draw.running.seq_id, draw.running.n_fed + 1 + draw.accepted, -1)
+        return outcome
+
+    def _drafts(self, decode: Decode, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
+        """Tokens to verify after the sequence's next one, and their source: as many as its controller finds
+        worth it, within the plan's room for them and the batch's."""
+        room = min(decode.draft_room, self.backend.n_batch - batch_tokens - 1)
+        if room <= 0:
+            return None, []
+        assert self.speculation is not None
+        return self.speculation.propose(decode.running.draftings, batch_tokens, sequences, room)
+
+    def apply(self, outcome: StepOutcome) -> None:
+        """The sequences' new state: prompt progress and snapshots, followers sharing their leader's prompt,
+        each draw's tokens emitted (ending requests as they say), drafts learned from, the step's cost."""
+        sequences = self.sequences
+        if outcome.kv_full:
+            if outcome.drafted:
+                self.drafts_paused = True  # the drafts go first: the next step runs without them
+            else:
+                sequences.relieve_full_kv()
+            return
+        for running, take in outcome.fed:
+            running.n_fed += take
+        if self.cache is not None:
+            for snapshot in outcome.snapshots:
+                self.cache.offer(snapshot)
+        for leader in outcome.clones:
+            for follower in leader.followers:
+                follower.lead(len(leader.prompt), [])
+            leader.followers = []
+        self.drafts_paused = False
+        for draw in outcome.draws:
+            self._emit(draw)
+        if self.speculation is not None:
+            if not outcome.fed:  # prompt tokens need no logits: cheaper than the rows a verification outputs
+                self.speculation.cost.observe(outcome.rows, outcome.seconds)
+            self.speculation.stats.step(outcome.drafted > 0)
+
+    def _emit(self, draw: Draw) -> None:
+        running = draw.running
+        if draw.decoding:  # its next token and the accepted drafts are in the KV
+            running.n_fed += 1 + draw.accepted
+        if draw.drafting is not None:
+            assert self.speculation is not None
+            self.speculation.verified(draw.drafting, len(draw.drafts), draw.accepted)
+            running.drafted += len(draw.drafts)
+            running.accepted_drafts += draw.accepted
+        for token, logprob, top in draw.chosen:
+            self.sequences.emit(running, token, logprob, top)
+            if running.phase is Phase.FINISHED:
+                break

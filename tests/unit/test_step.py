@@ -1,0 +1,85 @@
+"""A step's plan from the sequences' phases alone (no backend), and the phases a request goes through in real
+steps on the FakeBackend: prompt, generating, finished; a follower waiting on its twin's prefill."""
+
+from reame.engine import GenerationRequest, SamplingParams
+from reame.engine.admission import ContextLimits
+from reame.engine.request import Handle
+from reame.engine.sequences import Sequences
+from reame.engine.slots import Phase, Running, Slot
+from reame.engine.step import Decode, PromptChunk, StepPlan, Stepper, plan_step
+from tests.fakes.backend import FakeBackend
+
+
+def sequence(prompt_length, seq_id=0, fed=0, phase=Phase.PROMPT, generated=(), draftings=(), max_tokens=100):
+    prompt = list(range(1, prompt_length + 1))
+    running = Running(Handle(GenerationRequest(prompt, SamplingParams()), prompt), Slot(seq_id), object(),
+                      max_tokens, seq_id)
+    running.n_fed, running.phase = fed, phase
+    running.generated_tokens = list(generated)
+    running.draftings = list(draftings)
+    if phase is Phase.GENERATING:
+        running.next_token = 7
+    return running
+
+
+def test_generating_sequences_decode_first_and_prompts_share_the_room_left_in_chunks():
+    decoding = sequence(10, 0, fed=12, phase=Phase.GENERATING, generated=[5, 6])
+    long_prompt = sequence(500, 1)
+    next_prompt = sequence(50, 2)
+    plan = plan_step([decoding, long_prompt, next_prompt], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=128,
+                     drafts_allowed=True)
+    assert plan == StepPlan((Decode(decoding, 0),), (PromptChunk(long_prompt, 0, 128),))
+    alone = plan_step([long_prompt, next_prompt], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=128,
+                      drafts_allowed=True)
+    assert alone == StepPlan((), (PromptChunk(long_prompt, 0, 500), PromptChunk(next_prompt, 0, 12)))
+
+
+def test_a_plan_asks_for_drafts_only_within_the_answers_and_the_contexts_room():
+    drafting = [object()]
+    fresh = sequence(10, 0, fed=11, phase=Phase.GENERATING, generated=[5], draftings=drafting)
+    going = sequence(10, 1, fed=12, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting, max_tokens=8)
+    near_the_end = sequence(10, 2, fed=95, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting)
+    plan = plan_step([fresh, going, near_the_end], n_batch=64, n_ctx_seq=100, prefill_chunk_tokens=128,
+                     drafts_allowed=True)
+    assert [decode.draft_room for decode in plan.decodes] == [0, 5, 4]
+    paused = plan_step([going], n_batch=64, n_ctx_seq=100, prefill_chunk_tokens=128, drafts_allowed=False)
+    assert paused.decodes == (Decode(going, 0),)
+
+
+def test_followers_finished_requests_and_warm_prompts_fed_whole_get_no_rows():
+    follower = sequence(20, 0, phase=Phase.FOLLOWING)
+    finished = sequence(20, 1, phase=Phase.FINISHED)
+    warmed = sequence(20, 2, fed=20)
+    solo_last = sequence(100, 3, fed=0)
+    solo_last.solo_last = True
+    plan = plan_step([follower, finished, warmed, solo_last], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=0,
+                     drafts_allowed=True)
+    assert plan == StepPlan((), (PromptChunk(solo_last, 0, 99),))  # its last token goes alone, later
+    assert not plan_step([follower, finished, warmed], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=0,
+                         drafts_allowed=True)
+
+
+def test_a_request_goes_from_prompt_to_generating_to_finished_and_a_twin_follows_its_prefill():
+    backend = FakeBackend(n_ctx=512, n_seq_max=2, n_batch=16)
+    sequences = Sequences(backend, ContextLimits(512, 512, 2, 64), None, None, 0)
+    stepper = Stepper(backend, sequences, None, None, prefill_chunk_tokens=8)
+    prompt = list(b"a prompt of twenty-two")
+
+    def start():
+        return sequences.start(Handle(GenerationRequest(prompt, SamplingParams(max_tokens=3, ignore_eos=True)),
+                                      prompt))
+
+    leader, twin = start(), start()
+    assert (leader.phase, twin.phase, twin.leader) == (Phase.PROMPT, Phase.FOLLOWING, leader)
+    stepper.step()  # 16 prompt tokens: the whole batch, nothing decodes yet
+    assert (leader.n_fed, leader.phase, twin.phase) == (16, Phase.PROMPT, Phase.FOLLOWING)
+    stepper.step()  # the rest; the twin shares the cells and draws from the same row
+    assert (leader.n_fed, twin.n_fed, twin.cached) == (22, 22, 22)
+    assert (leader.phase, twin.phase, twin.leader) == (Phase.GENERATING, Phase.GENERATING, None)
+    assert backend.kv_tokens(twin.seq_id) == prompt
+    stepper.step()
+    stepper.step()  # the third token: max_tokens
+    assert (leader.phase, twin.phase, sequences.running) == (Phase.FINISHED, Phase.FINISHED, [])
+    assert not stepper.plan()
+    assert [slot.held for slot in sequences.slots] == [prompt + leader.generated_tokens[:2],
+                                                       prompt + twin.generated_tokens[:2]]
