@@ -2,8 +2,9 @@
 
 The benchmarks print Markdown (a heading or two, tables, notes); the report keeps that
 verbatim under each benchmark's command, and reads the tables back for the charts.
-Only the part between BEGIN and END is rewritten: the hand-written analyses after it
-stay. The charts go to docs/bench/*.svg.
+Only the part between BEGIN and END is rewritten: the hand-written descriptions after it
+stay, and the run it replaces moves to docs/bench/history/<its date>.md. The charts go to
+docs/bench/*.svg, each shown under the benchmark it draws.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ def features_chart(results: list[Result]) -> str | None:
 
 CHARTS = {"ceiling.svg": ceiling_chart, "decode.svg": decode_chart, "ttft.svg": ttft_chart,
           "concurrency.svg": concurrency_chart, "features.svg": features_chart}
+# The benchmarks each chart draws: it is shown under the last of them that ran.
+DRAWS = {"ceiling.svg": ("ceiling",), "decode.svg": ("decode",), "ttft.svg": ("prefix_cache",),
+         "concurrency.svg": ("concurrency",), "features.svg": ("speculative", "palimpsest", "structured")}
 
 
 def report_text(results: list[Result], facts: dict[str, str], quick: bool, seconds: float,
@@ -198,9 +202,10 @@ def report_text(results: list[Result], facts: dict[str, str], quick: bool, secon
              f"{facts['date']}, {facts['cpu']}, {facts['cores']} usable cores, {facts['arch']} "
              f"(kernel flags: {facts['kernel flags']}), CPython {facts['python']}, llama.cpp {facts['llama.cpp']}; "
              f"{seconds / 60:.0f} minutes. Each section is what the benchmark printed; its command "
-             "says the model, threads and repetitions.", ""]
-    lines += [f"![{name}](bench/{name})" for name in charts]
-    for result in results:
+             "says the model, threads and repetitions."]
+    shown_under = {name: max((i for i, result in enumerate(results) if result.bench.name in DRAWS[name]), default=-1)
+                   for name in charts}
+    for index, result in enumerate(results):
         lines += ["", f"### {result.bench.title}", "", "```sh", f"python {' '.join(result.command)}", "```", ""]
         if result.returncode != 0:
             lines.append(f"**Failed (exit {result.returncode}) after {result.seconds:.0f} s.** What it printed:")
@@ -208,6 +213,7 @@ def report_text(results: list[Result], facts: dict[str, str], quick: bool, secon
         body = re.sub(r"^(#+) ", lambda m: "#" * min(6, len(m.group(1)) + 3) + " ", result.output.strip(),
                       flags=re.M)
         lines += [body, "", f"({result.seconds:.0f} s)"]
+        lines += [line for name in charts if shown_under[name] == index for line in ("", f"![{name}](bench/{name})")]
     lines += ["", END]
     return "\n".join(lines) + "\n"
 
@@ -226,6 +232,7 @@ def write_report(results: list[Result], facts: dict[str, str], quick: bool, seco
         (docs / "bench" / name).write_text(charts[name])
     target = docs / "BENCHMARKS.md"
     existing = target.read_text() if target.exists() else "# Benchmarks\n"
+    archive(existing, docs / "bench" / "history")
     temporary = target.with_suffix(".md.tmp")
     temporary.write_text(replace_section(existing, text))
     os.replace(temporary, target)
@@ -241,3 +248,22 @@ def replace_section(document: str, section: str) -> str:
     first, _, rest = document.partition("\n\n")
     intro, _, after = rest.partition("\n\n")
     return f"{first}\n\n{intro}\n\n{section}\n{after}" if after else f"{document.rstrip()}\n\n{section}"
+
+
+def archive(document: str, history: Path) -> Path | None:
+    """Append the run in `document`'s generated section to `history`/<its date>.md (its charts are not kept:
+    the next run redraws them). None when there is no run to keep."""
+    if BEGIN not in document or END not in document:
+        return None
+    section = document.split(BEGIN, 1)[1].split(END, 1)[0]
+    date = re.search(r"^(\d{4}-\d{2}-\d{2}),", section, flags=re.M)
+    if date is None:
+        return None
+    body = re.sub(r"^!\[[^\]]*\]\(bench/[^)]*\)\n\n?", "", section.strip() + "\n", flags=re.M)
+    body = body.replace("## The latest run:", "## A run of", 1)
+    history.mkdir(parents=True, exist_ok=True)
+    path = history / f"{date.group(1)}.md"
+    previous = path.read_text() if path.exists() else f"# Benchmarks, {date.group(1)}\n"
+    if body not in previous:  # a report written twice keeps one copy of the run it replaced
+        path.write_text(f"{previous.rstrip()}\n\n{body}")
+    return path

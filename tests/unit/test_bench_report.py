@@ -91,6 +91,25 @@ def test_a_report_writes_its_charts_and_the_ceiling_beside_the_concurrency(tmp_p
     assert sorted(path.name for path in (tmp_path / "bench").iterdir()) == ["ceiling.svg", "concurrency.svg"]
     concurrency = (tmp_path / "bench" / "concurrency.svg").read_text()
     assert "ceiling: N rows a step, no drafts" in concurrency and "227.4" in concurrency and "220.5" in concurrency
+    # each chart under the benchmark it draws
+    assert text.index("python bench/ceiling.py") < text.index("![ceiling.svg]") < text.index("bench/concurrency.py") \
+        < text.index("![concurrency.svg]") < text.index("bench/arca.py")
+
+
+def test_the_run_a_report_replaces_moves_to_the_history_of_its_date(tmp_path):
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n\nIntro.\n\n## How each benchmark works\n")
+    facts = {"date": "2026-12-01", "cpu": "AMD EPYC", "cores": "2", "arch": "x86_64", "kernel flags": "avx2",
+             "python": "3.11.7", "llama.cpp": "0c1e57098"}
+    first = [Result(bench("concurrency"), ["bench/concurrency.py"], CONCURRENCY, 0, 90.0)]
+    write_report(first, facts, True, 90.0, tmp_path)
+    assert not (tmp_path / "bench" / "history").exists(), "nothing to move the first time"
+    second = [Result(bench("concurrency"), ["bench/concurrency.py"], CONCURRENCY.replace("220.5", "230.5"), 0, 90.0)]
+    write_report(second, {**facts, "date": "2026-12-02"}, False, 90.0, tmp_path)
+    history = (tmp_path / "bench" / "history" / "2026-12-01.md").read_text()
+    assert history.startswith("# Benchmarks, 2026-12-01\n\n## A run of `python -m bench all --quick`")
+    assert "220.5" in history and "230.5" not in history and "![" not in history
+    written = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "230.5" in written and "220.5" not in written and written.endswith("## How each benchmark works\n")
 
 
 PREFIX = """| prefix tokens | server | case | TTFT s | vs its cold |
