@@ -172,13 +172,19 @@ def test_a_refused_body_is_drained_so_the_client_reads_its_413(engine):
 def test_close_never_frees_a_backend_its_thread_is_still_using():
     """close() once cleared its thread after the join timed out, and the caller then freed the backend under a
     step still running: now the thread frees what it used when that step ends."""
-    gate = threading.Event()
-    backend = FakeBackend(n_ctx=256, rule=gated_rule(gate, wait_s=30))
+    gate, inside = threading.Event(), threading.Event()
+    gated = gated_rule(gate, wait_s=30)
+
+    def rule(history):
+        inside.set()
+        return gated(history)
+
+    backend = FakeBackend(n_ctx=256, rule=rule)
     closed = threading.Event()
     backend.close = closed.set
     engine = Engine(backend, owns_backend=True).start()
     handle = engine.submit(GenerationRequest("x", SamplingParams(max_tokens=2)))
-    wait_until(lambda: engine.load()[1] == 1, what="the request to run")
+    wait_until(inside.is_set, what="a step to be inside the backend")
     assert engine.close(timeout_s=0.1) is False
     assert not closed.is_set()  # the step is still in the backend
     gate.set()

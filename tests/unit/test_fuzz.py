@@ -98,6 +98,7 @@ def test_type_confusion_in_any_field_is_a_400_naming_it_never_a_500(server, path
     body = dict(VALID[path], **{field: data.draw(JSON)})
     if field in ("n", "max_tokens", "max_completion_tokens") and isinstance(body[field], int):
         assume(body[field] < 64)  # valid and huge: a long but correct generation, not what this test is about
+    assume(not (field == "stream" and body[field] is True))  # valid: an SSE stream, answered as one elsewhere
     status, answer = server.json("POST", path, body)
     assert status in (200, 400, 404, 413), (status, answer)
     if status == 400:
