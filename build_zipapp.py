@@ -5,7 +5,7 @@
     python build_zipapp.py --native          … with this machine's native build instead
     python build_zipapp.py --lib             only build (or find) libllama for this host
     python build_zipapp.py --lib --portable  only the portable build (a CPU variant per ISA level)
-    python build_zipapp.py --bench-tools     llama-bench / llama-batched-bench / llama-server, for bench/ only
+    python build_zipapp.py --bench-tools     llama.cpp's own tools (BENCH_TOOLS), for bench/ only
 
 Needs only the standard library, pip, CMake and a C++ compiler. The pin is
 llama.cpp as vendored in one exact `llama-cpp-python` sdist; the .pyz also
@@ -77,7 +77,7 @@ BUILD_RECIPE = 2
 ARCHES = ("x86_64", "aarch64")
 
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
-BENCH_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server")
+BENCH_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-completion")
 # What a missing prerequisite is called, and its Debian/Ubuntu package.
 PACKAGES = {"cmake": "cmake", "a C++ compiler": "g++", "pip": "python3-pip"}
 INDEX_PROBE_TIMEOUT_S = 2
@@ -497,10 +497,9 @@ def build_pyz(library_dirs: dict[str, Path], output: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix="reame-pyz-"))
     try:
         shutil.copytree(ROOT / "reame", staging / "reame", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        (staging / "__main__.py").write_text(
-            "import runpy\nrunpy.run_module('reame', run_name='__main__', alter_sys=True)\n")
         for package, wheel in PURE_PACKAGES:
             unpack_pure_package(wheel.fetch(), package, staging)
+        python_tree = python_tree_hash(staging)
         bundle = staging / BUNDLE_DIR
         machines = {}
         for arch, library_dir in library_dirs.items():
@@ -516,6 +515,7 @@ def build_pyz(library_dirs: dict[str, Path], output: Path) -> Path:
                 digest.update(str(path.relative_to(bundle)).encode() + b"\0" + path.read_bytes())
         manifest = {"sha256": digest.hexdigest(), "llama_commit": LLAMA_COMMIT, "machines": machines}
         (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / "__main__.py").write_text(pyz_main(python_tree, manifest["sha256"]))
         output.parent.mkdir(parents=True, exist_ok=True)
         partial = output.with_name(output.name + ".part")
         zipapp.create_archive(staging, partial, interpreter="/usr/bin/env python3", compressed=True)
@@ -526,6 +526,28 @@ def build_pyz(library_dirs: dict[str, Path], output: Path) -> Path:
     say(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB; {carried}; zstandard for CPython "
         f"{', '.join(PYTHON_MINORS)})")
     return output
+
+
+def python_tree_hash(staging: Path) -> str:
+    """sha256 of the Python files staged for a .pyz (names and bytes; called before its native parts
+    and __main__.py are added): the name of their compiled copy."""
+    digest = hashlib.sha256()
+    for path in sorted(staging.rglob("*")):
+        if path.is_file():
+            digest.update(str(path.relative_to(staging)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def pyz_main(python_tree: str, bundle_sha256: str) -> str:
+    """The .pyz's __main__.py: pyz_main.py naming the Python tree it extracts and compiles and the
+    native bundle reame/native.py extracts."""
+    source = (ROOT / "pyz_main.py").read_text()
+    for name, value in (("PYTHON_TREE", python_tree), ("BUNDLE_SHA256", bundle_sha256)):
+        placeholder = f'{name} = ""'
+        if placeholder not in source:
+            raise BuildError(f"pyz_main.py no longer declares {placeholder}")
+        source = source.replace(placeholder, f'{name} = "{value}"', 1)
+    return source
 
 
 def _ensure(path: Path) -> Path:

@@ -57,4 +57,6 @@ SUITE = (
     Bench("arca", "ARCA vs redis-server, and an exact-answer hit over HTTP", (),
           ("--model", "smollm2-135m", "--requests", "50000", "--reps", "1", "--hits", "50")),
     Bench("soak", "Soak: misbehaving clients against a few slots", (), ("--seconds", "15")),
+    Bench("startup", "Start-up: a shell script's one-shot prompt and --serve until ready vs llama.cpp", (),
+          ("--reps", "3")),
 )

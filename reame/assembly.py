@@ -13,17 +13,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from reame import autoconfig, catalog, fetch
-from reame.arca.client import StoreAddress, StoreClient
-from reame.speculative.corpus import Corpus
 from reame.cache import PrefixCache
 from reame.engine import Engine
 from reame.model.backend import ModelSettings
+from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError, ModelFileError
-from reame.native import cache_root
-from reame.server.answers import AnswerCache
-from reame.server.http import ServerSettings
-from reame.server.sessions import Sessions
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -98,9 +93,12 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
                                    lambda text: backend.tokenize(text, add_special=False, parse_special=False),
                                    backend.detokenize))
     if options.palimpsest:
-        vocabulary = vocabulary_hash(backend.token_piece, backend.n_vocab)
+        vocabulary = remembered(backend.settings.path, "vocabulary hash",
+                                lambda: vocabulary_hash(backend.token_piece, backend.n_vocab).hex(), digest_bytes)
         palimpsest = Palimpsest(options.palimpsest_directory, vocabulary, options.palimpsest_budget_bytes)
         if serving and settings.arca.remote:
+            from reame.arca.client import StoreAddress  # the store's client: only a node with a store loads it
+            from reame.speculative.corpus import Corpus
             palimpsest.attach(Corpus(StoreAddress.parse(settings.arca.remote), vocabulary, palimpsest))
         sources.append(palimpsest)
     if options.lookup:
@@ -113,6 +111,14 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
                 source.close()
             raise
     return Speculation(*sources, max_draft=options.max_draft_tokens) if sources else None
+
+
+def digest_bytes(text: str) -> bytes:
+    """A remembered sha256 read back: exactly 32 bytes of hex, or ValueError."""
+    digest = bytes.fromhex(text)
+    if len(digest) != 32:
+        raise ValueError("not a sha256")
+    return digest
 
 
 def load_draft_model(name: str, target: LlamaBackend, min_probability: float) -> DraftModel:
@@ -143,44 +149,6 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
         log.warning("the prefix cache is off: cannot use its directory %s (%s); set cache.dir to a writable "
                     "directory", options.directory, error.strerror or error)
         return None
-
-
-def server_settings(settings: Settings, default_model_id: str) -> ServerSettings:
-    server = settings.server
-    return ServerSettings(
-        host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
-        max_connections=server.max_connections, max_requests=server.max_requests, max_body_bytes=server.max_body_bytes,
-        idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
-        request_timeout_s=server.request_timeout_s,
-        grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
-        request_log=server.request_logging, metrics=server.metrics)
-
-
-def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
-    """Listen, load the model, serve until a signal (server/serve.py)."""
-    from reame.server.serve import serve
-    http = server_settings(settings, entry.name if entry else path.stem)
-    n_seq = chosen["server.parallel"].value
-    model = model_settings(path, settings, chosen, n_seq)
-
-    def load_engine() -> Engine:
-        backend = LlamaBackend(model)
-        facts = backend.describe()
-        log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
-                 facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
-        return new_engine(backend, settings, serving=True).start()
-
-    sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)
-    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint()))
-
-
-def answer_cache(settings: Settings, fingerprint: bytes) -> AnswerCache | None:
-    """The exact answer cache in the store `arca.remote` names (ARCA or a real Redis), if any."""
-    if not settings.arca.remote:
-        return None
-    address = StoreAddress.parse(settings.arca.remote)
-    log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
-    return AnswerCache(StoreClient(address), fingerprint, settings.arca.answer_ttl_ms)
 
 
 def progress_stream() -> TextIO | None:

@@ -7,6 +7,7 @@ always win; autoconfig fills only what is left at 0/auto.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 from reame import gguf
 from reame.model.backend import usable_cores
+from reame.model.fingerprint import remembered
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -106,6 +108,22 @@ def kv_bytes_per_token(facts: dict[str, int], kv_type: str) -> float:
         KV_BYTES_PER_ELEMENT[kv_type]
 
 
+def architecture_facts(model_path: str | Path) -> dict[str, int]:
+    """gguf.architecture_facts of the model, read from the file once per model: stepping over its
+    vocabulary to reach them cost every start 30-300 ms."""
+    return remembered(model_path, "architecture facts",
+                      lambda: json.dumps(gguf.architecture_facts(gguf.read_metadata(model_path))), parse_facts)
+
+
+def parse_facts(text: str) -> dict[str, int]:
+    """Remembered architecture facts read back: exactly gguf's keys, each a whole number, or ValueError."""
+    facts = json.loads(text)
+    if not isinstance(facts, dict) or sorted(facts) != sorted(gguf.ARCHITECTURE_FACTS) or \
+            not all(type(value) is int and value >= 0 for value in facts.values()):
+        raise ValueError("not architecture facts")
+    return facts
+
+
 SERVED_SEQUENCES = 4  # as llama-server's default; one-shot runs use one
 
 
@@ -123,7 +141,7 @@ def choose(model_path: str | Path, host: Host, *, threads: int = 0, context: int
         chosen["model.threads"] = Choice(cores - 1, f"{cores} usable cores, one left for the OS and HTTP")
 
     model_bytes = Path(model_path).stat().st_size
-    facts = gguf.architecture_facts(gguf.read_metadata(model_path))
+    facts = architecture_facts(model_path)
     budget = host.ram_bytes.value * RAM_SHARE_FOR_MODEL - model_bytes
     trained = facts["context_train"] or DEFAULT_CONTEXT
     wanted = min(preferred_context or DEFAULT_CONTEXT, trained)

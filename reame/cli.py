@@ -2,7 +2,9 @@
 
 Answers go to stdout, logs and the stats line to stderr. Exit codes: 0 success,
 2 usage or bad input, 1 runtime failure. A user error is one line, never a
-traceback.
+traceback. A command imports what only it uses inside its function, so that a
+one-shot prompt never pays for the HTTP server, ARCA or the grammar compilers
+(tests/integration/test_startup.py lists what a one-shot run may import).
 """
 
 from __future__ import annotations
@@ -13,26 +15,20 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from reame import __version__, assembly, catalog, config, fetch
-from reame.arca import server as arca_server
-from reame.arca.types import ArcaSettings
-from reame.arca.aof import AOF_NAME, check_log
-from reame.cache import codec
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
 from reame.model.backend import usable_cores
 from reame.model.llama import LlamaBackend
 from reame.conclave import MAX_ATTEMPTS, convene
-from reame.structured.grammar import GrammarError
-from reame.structured.json_schema import schema_to_gbnf
 from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
 from reame.native import LLAMA_COMMIT
 from reame.quantize import QUANT_TYPES, requantize
-from reame.structured.requested import checked
 from reame.settings import Settings, from_values
 
 log = logging.getLogger("reame")
@@ -40,6 +36,24 @@ log = logging.getLogger("reame")
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 USER_ERRORS = (ConfigError, RequestError, FetchError, ModelFileError)
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
+
+
+class Startup:
+    """Where a one-shot run's start goes, phase by phase, logged at debug level (bench/startup.py reads
+    it): a shell script waits for all of it before it sees the answer."""
+
+    def __init__(self, began: float) -> None:
+        self.marks = [("", began)]
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.perf_counter()))
+
+    def line(self) -> str:
+        """The phases, then when the first began on the system's monotonic clock (time.perf_counter), so
+        that a parent process can tell the interpreter's start before it and the exit after the last."""
+        phases = ", ".join(f"{phase} {(at - before) * 1000:.0f} ms"
+                           for (_, before), (phase, at) in zip(self.marks, self.marks[1:]))
+        return f"startup: {phases} (began at {self.marks[0][1]:.6f})"
 
 
 # --- argument types -------------------------------------------------------------------
@@ -188,6 +202,7 @@ def version_text() -> str:
     import platform
 
     from reame import native
+    from reame.cache import codec
     bundle = native.bundle_manifest()
     build = "libllama: not built (python build_zipapp.py --lib)"
     manifest: dict | None = None
@@ -256,13 +271,14 @@ def read_prompt(prompt: str | None) -> str | None:
     return prompt
 
 
-def command_run(args: argparse.Namespace, settings: Settings) -> int:
+def command_run(args: argparse.Namespace, settings: Settings, startup: Startup) -> int:
     prompt = read_prompt(args.prompt)
     grammar = answer_grammar(args)
     if grammar is not None:
         settings = dataclasses.replace(settings, generation=dataclasses.replace(settings.generation, grammar=grammar))
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
+    startup.mark("model found and planned")
     if args.print_config:
         print_config(settings, chosen)
         return EXIT_OK
@@ -270,13 +286,16 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
     if args.serve:
         if best_of > 1:
             raise ConfigError("--best-of elects one answer here; API clients ask for it per request (best_of)")
-        return assembly.serve_model(settings, path, entry, chosen)
+        from reame.serving import serve_model
+        return serve_model(settings, path, entry, chosen)
     if best_of > 1 and prompt is None:
         raise ConfigError("--best-of elects one answer: give a prompt")
     log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
              chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)),
-                             settings) as engine:
+    backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))
+    startup.mark("model loaded")
+    with assembly.new_engine(backend, settings) as engine:
+        startup.mark("engine ready")
         templated = engine.backend.has_chat_template and not args.raw
         if prompt is None:
             conversation = Conversation(engine, settings.generation, system=args.system)
@@ -285,13 +304,21 @@ def command_run(args: argparse.Namespace, settings: Settings) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
-        return answer_once(engine, prompt, settings.generation, args.quiet, best_of)
+        status = answer_once(engine, prompt, settings.generation, args.quiet, best_of)
+        startup.mark("answered")
+        log.debug("%s", startup.line())
+        return status
 
 
 def answer_grammar(args: argparse.Namespace) -> str | None:
     """The GBNF of --json-schema or --grammar (read and checked before the model loads), or None."""
     if args.json_schema and args.grammar:
         raise ConfigError("give --json-schema or --grammar, not both")
+    if not args.json_schema and not args.grammar:
+        return None
+    from reame.structured.grammar import GrammarError
+    from reame.structured.json_schema import schema_to_gbnf
+    from reame.structured.requested import checked
     try:
         if args.json_schema:
             try:
@@ -299,11 +326,9 @@ def answer_grammar(args: argparse.Namespace) -> str | None:
             except ValueError as error:
                 raise ConfigError(f"{args.json_schema} is not JSON: {error}") from None
             return checked(schema_to_gbnf(schema, param=args.json_schema))
-        if args.grammar:
-            return checked(read_text_file(args.grammar))
+        return checked(read_text_file(args.grammar))
     except GrammarError as error:
         raise ConfigError(str(error)) from None
-    return None
 
 
 def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int = 1) -> int:
@@ -354,7 +379,8 @@ def command_config_mode(args: argparse.Namespace, settings: Settings) -> int:
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
     if args.serve:
-        return assembly.serve_model(settings, path, entry, chosen)
+        from reame.serving import serve_model
+        return serve_model(settings, path, entry, chosen)
     best_of = args.best_of or 1
     with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)),
                              settings) as engine:
@@ -399,6 +425,9 @@ def read_text_file(name: str) -> str:
 
 
 def command_arca(settings: Settings, check_aof: bool = False, fix: bool = False) -> int:
+    from reame.arca import server as arca_server
+    from reame.arca.aof import AOF_NAME, check_log
+    from reame.arca.types import ArcaSettings
     options = settings.arca
     if fix and not check_aof:
         raise ConfigError("--fix goes with --check-aof")
@@ -461,7 +490,10 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
+    """`began`: when the process started importing Reame (reame/__main__.py), for the startup line."""
+    startup = Startup(time.perf_counter() if began is None else began)
+    startup.mark("imports")
     parser = build_parser()
     args = parse(parser, argv)
     quiet = getattr(args, "quiet", False)
@@ -475,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings is not None and not quiet:
             configure_logging(LOG_LEVELS[settings.log_level])
         if args.command == "run":
-            return command_run(args, settings)
+            return command_run(args, settings, startup)
         if args.command == "warm":
             return command_warm(args, settings)
         if args.command == "arca":

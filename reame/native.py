@@ -6,14 +6,12 @@ and the binding (which loads) agree on where a build for this machine sits.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
-import zipfile
 import zipimport
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,11 @@ BUILD_HINT = "build it with: python build_zipapp.py --lib (or set REAME_LIBLLAMA
 # <machine>/python/cp3XX/zstandard/ (one build per supported CPython minor).
 BUNDLE_DIR = "reame_native"
 MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+# The .pyz this package came from and its manifest's sha256, set by its __main__.py (pyz_main.py):
+# imported from the extracted, compiled copy of the .pyz's Python files, the package cannot find its
+# .pyz by its loader, and knowing the sha spares a warm start opening the .pyz to read the manifest.
+ARCHIVE: str | None = None
+BUNDLE_SHA256: str | None = None
 
 
 def cache_root() -> Path:
@@ -101,6 +104,8 @@ def describe_build(manifest: dict) -> str:
 
 def running_archive() -> Path | None:
     """The .pyz this package runs from, or None when it runs from plain files."""
+    if ARCHIVE is not None:
+        return Path(ARCHIVE)
     loader = globals().get("__loader__")
     return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
 
@@ -110,6 +115,7 @@ def bundle_manifest() -> dict | None:
     archive = running_archive()
     if archive is None:
         return None
+    import zipfile
     with zipfile.ZipFile(archive) as bundle:
         try:
             return json.loads(bundle.read(f"{BUNDLE_DIR}/manifest.json"))
@@ -127,39 +133,67 @@ def unsupported_machine(manifest: dict) -> str:
 def activate_bundle() -> Path | None:
     """Extract this machine's native parts of the .pyz once, to ~/.cache/reame/lib/<sha256>-<machine>/,
     and put the zstandard build for this Python minor on sys.path. Safe when two first runs race: each
-    extracts to its own temporary directory and the first rename wins. Returns the directory, or None
-    outside a .pyz or when the .pyz carries nothing for this machine (`locate` then says so)."""
+    extracts to its own temporary directory and the first rename wins. A cache that cannot hold them
+    (read-only, full) costs a private temporary copy for this run, said once. Returns the directory, or
+    None outside a .pyz or when the .pyz carries nothing for this machine (`locate` then says so)."""
+    archive = running_archive()
+    if BUNDLE_SHA256 is not None and (cache_root() / "lib" / f"{BUNDLE_SHA256}-{machine()}" / "lib").is_dir():
+        return with_zstandard(cache_root() / "lib" / f"{BUNDLE_SHA256}-{machine()}")
     manifest = bundle_manifest()
     if manifest is None or machine() not in manifest["machines"]:
         return None
-    archive = running_archive()
     assert archive is not None
-    target = cache_root() / "lib" / f"{manifest['sha256']}-{machine()}"
-    if not (target / "lib").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
-        try:
-            prefix = f"{BUNDLE_DIR}/{machine()}/"
-            with zipfile.ZipFile(archive) as bundle:
-                for member in bundle.infolist():
-                    if not member.filename.startswith(prefix) or member.is_dir():
-                        continue
-                    destination = staging / member.filename[len(prefix):]
-                    destination.parent.mkdir(parents=True, exist_ok=True)
-                    with bundle.open(member) as source, destination.open("wb") as out:
-                        shutil.copyfileobj(source, out)
-                    destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
-            staging.chmod(0o755)
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "lib").exists():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    python_dir = target / "python" / python_tag()
+    name = f"{manifest['sha256']}-{machine()}"
+    target = cache_root() / "lib" / name
+    try:
+        extract_natives(archive, target)
+    except OSError as error:
+        import shutil
+        import tempfile
+        scratch = Path(tempfile.mkdtemp(prefix="reame-native-"))
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        print(f"reame: cannot keep libllama in {target.parent} ({error.strerror or error}); extracting it "
+              f"to {scratch} for this run only", file=sys.stderr)
+        target = scratch / name
+        extract_natives(archive, target)
+    return with_zstandard(target)
+
+
+def with_zstandard(natives: Path) -> Path:
+    """`natives` (an extracted bundle), after putting its zstandard build for this Python on sys.path."""
+    python_dir = natives / "python" / python_tag()
     if python_dir.is_dir() and str(python_dir) not in sys.path:
         sys.path.insert(0, str(python_dir))
-    return target
+    return natives
+
+
+def extract_natives(archive: Path, target: Path) -> None:
+    """This machine's part of the .pyz's BUNDLE_DIR into `target`, unless it is there already."""
+    if (target / "lib").exists():
+        return
+    import shutil
+    import tempfile
+    import zipfile
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    try:
+        prefix = f"{BUNDLE_DIR}/{machine()}/"
+        with zipfile.ZipFile(archive) as bundle:
+            for member in bundle.infolist():
+                if not member.filename.startswith(prefix) or member.is_dir():
+                    continue
+                destination = staging / member.filename[len(prefix):]
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                with bundle.open(member) as source, destination.open("wb") as out:
+                    shutil.copyfileobj(source, out)
+                destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
+        staging.chmod(0o755)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "lib").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def locate() -> NativeLibraries:

@@ -5,6 +5,8 @@ KV element type, the same attention kernel choice and the same stream layout.
 `model_content_hash` hashes the GGUF's size, its first bytes (header and
 metadata) and evenly spaced samples of its tensor data; it is cached per file
 (path, size, mtime) so a restart does not read the samples again.
+`remembered` keeps other facts computed from a model's content (its vocabulary's
+hash) the same way, so a one-shot start computes none of them twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from reame.files import create_private
 
@@ -22,6 +26,9 @@ HEAD_BYTES = 16 << 20  # header, metadata and tensor table of every model we ser
 SAMPLES = 32
 SAMPLE_BYTES = 64 << 10
 HASH_CACHE_FILE = "model-hashes.json"
+FACTS_CACHE_FILE = "model-facts.json"
+MAX_REMEMBERED_FACTS = 1024  # a file shared by every model ever served; oldest forgotten first
+T = TypeVar("T")
 
 
 def model_content_hash(path: str | os.PathLike[str]) -> str:
@@ -46,6 +53,30 @@ def model_content_hash(path: str | os.PathLike[str]) -> str:
     return value
 
 
+def remembered(path: str | os.PathLike[str], fact: str, compute: Callable[[], str], parse: Callable[[str], T]) -> T:
+    """`parse(compute())`: a fact about the model file at `path` that depends only on its content and
+    the pinned llama.cpp, computed once and then read back (per content hash, so a copied or moved
+    file keeps it; a lost write only costs computing it again). What is read back is checked like
+    any input: when `parse` refuses it (ValueError, TypeError, KeyError), the fact is computed again."""
+    cache_key = f"{model_content_hash(path)}|{LLAMA_COMMIT}|{fact}"
+    cache_file = cache_root() / FACTS_CACHE_FILE
+    known = _read_hash_cache(cache_file)
+    stored = known.get(cache_key)
+    if isinstance(stored, str):
+        try:
+            return parse(stored)
+        except (ValueError, TypeError, KeyError):
+            pass
+    text = compute()
+    value = parse(text)
+    known.pop(cache_key, None)
+    known[cache_key] = text
+    while len(known) > MAX_REMEMBERED_FACTS:
+        del known[next(iter(known))]
+    _write_hash_cache(cache_file, known, sort_keys=False)
+    return value
+
+
 def kv_fingerprint(content_hash: str, kv_type: str, flash_attn: str, n_stream: int) -> bytes:
     """32 bytes naming everything a sequence state blob depends on.
 
@@ -67,14 +98,14 @@ def _read_hash_cache(path: Path) -> dict[str, str]:
     return known if isinstance(known, dict) else {}
 
 
-def _write_hash_cache(path: Path, known: dict[str, str]) -> None:
+def _write_hash_cache(path: Path, known: dict[str, str], sort_keys: bool = True) -> None:
     """Best effort: a lost update only costs hashing the file again."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         temporary.unlink(missing_ok=True)
         with create_private(temporary) as out:
-            out.write(json.dumps(known, indent=0, sort_keys=True).encode())
+            out.write(json.dumps(known, indent=0, sort_keys=sort_keys).encode())
         os.replace(temporary, path)
     except OSError:
         pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import ctypes
 import heapq
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from reame.model.backend import (BUILTIN_TEMPLATE_BY_ARCH, DECODE_NO_KV_SLOT, DE
                                  EMBEDDING_SEQUENCES,
                                  TEMPLATE_SPECIAL_TOKENS, ModelSettings, fallback_chat_format, usable_cores)
 from reame.model.chat_template import ChatTemplate
+from reame.model.fingerprint import remembered
 from reame.model.embedding import EmbeddingContext
 from reame.model.library import forget_llama_errors, init_native, last_llama_error
 from reame.model.sampler_chain import GrammarOnRejection, new_chain
@@ -186,10 +188,22 @@ class LlamaBackend:
         return known
 
     def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token: asking llama.cpp about each token of the vocabulary costs
+        15-50 ms, so the answer is remembered per model file."""
         if self._eog_list is None:
             is_eog, vocab = self._api.llama_vocab_is_eog, self._vocab
-            self._eog_list = [token for token in range(self.n_vocab) if is_eog(vocab, token)]
+            self._eog_list = remembered(
+                self.settings.path, "end-of-generation tokens",
+                lambda: json.dumps([token for token in range(self.n_vocab) if is_eog(vocab, token)]), self._token_list)
         return self._eog_list
+
+    def _token_list(self, text: str) -> list[int]:
+        """A remembered list of tokens read back: token ids of this vocabulary, or ValueError."""
+        tokens = json.loads(text)
+        if not isinstance(tokens, list) or \
+                not all(type(token) is int and 0 <= token < self.n_vocab for token in tokens):
+            raise ValueError("not a list of tokens")
+        return tokens
 
     def fim_tokens(self) -> tuple[int, int, int] | None:
         api, vocab = self._api, self._vocab

@@ -56,9 +56,10 @@ def isolated(pyz: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return workdir, {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
 
 
-def run_isolated(python: str, pyz: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_isolated(python: str, pyz: Path, tmp_path: Path, *args: str,
+                 flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     workdir, env = isolated(pyz, tmp_path)
-    return subprocess.run([python, *ISOLATED, "reame.pyz", *args], cwd=workdir, env=env,
+    return subprocess.run([python, *ISOLATED, *flags, "reame.pyz", *args], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -68,11 +69,50 @@ def test_the_pyz_alone_answers_a_prompt_under_each_python(pyz, python, tmp_path,
                           "--temp", "0", "--max-tokens", "16", "-q")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    extracted = list((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
-    assert len(extracted) == 1 and extracted[0].name.endswith("-" + machine())
-    assert (extracted[0] / "lib" / "libllama.so").exists()
-    tags = sorted(path.name for path in (extracted[0] / "python").iterdir())
+    natives, tree = extracted_parts(tmp_path)
+    assert (natives / "lib" / "libllama.so").exists()
+    tags = sorted(path.name for path in (natives / "python").iterdir())
     assert tags == ["cp" + minor.replace(".", "") for minor in build_zipapp.PYTHON_MINORS]
+    assert (tree / "reame" / "cli.py").exists() and list(tree.glob(".compiled-cpython-3*-O0"))
+
+
+def extracted_parts(tmp_path: Path) -> tuple[Path, Path]:
+    """What a first run extracted under the empty HOME: this machine's native parts, and the Python
+    files (compiled), and nothing else (no leftover temporary directory)."""
+    entries = sorted((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
+    assert len(entries) == 2, entries
+    natives, tree = sorted(entries, key=lambda entry: entry.name.endswith("-python"))
+    assert natives.name.endswith("-" + machine()) and tree.name.endswith("-python")
+    return natives, tree
+
+
+def test_a_warm_run_imports_compiled_code_only(pyz, python, tmp_path, smollm2_path):
+    """zipimport compiles every module from source on every start; a warm run must compile nothing."""
+    args = ("run", str(smollm2_path), "Hi", "--max-tokens", "1", "-q")
+    assert run_isolated(python, pyz, tmp_path, *args).returncode == 0
+    _, tree = extracted_parts(tmp_path)
+    warm = run_isolated(python, pyz, tmp_path, *args, flags=("-v",))
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    loaded = [line for line in warm.stderr.splitlines() if line.startswith("# code object from ")]
+    from_tree = [line for line in loaded if str(tree) in line]
+    assert any("reame/__pycache__/cli." in line for line in from_tree)
+    assert any("jinja2/__pycache__/" in line for line in from_tree)
+    compiled_from_source = [line for line in loaded if not line.rstrip("'").endswith(".pyc")]
+    assert compiled_from_source == []
+    assert "loaded from Zip" not in warm.stderr
+
+
+def test_without_a_usable_cache_it_runs_from_the_pyz_and_says_so(pyz, tmp_path, smollm2_path):
+    """A cache it cannot write (here a path under a file) costs speed, never the answer."""
+    workdir, env = isolated(pyz, tmp_path)
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    result = subprocess.run([sys.executable, *ISOLATED, "reame.pyz", "run", str(smollm2_path), "Hi", "--temp", "0",
+                             "--max-tokens", "4", "-q"], cwd=workdir, env={**env, "REAME_CACHE": str(blocked / "c")},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert result.stderr.count("cannot keep compiled Python") == 1
 
 
 def test_version_names_pin_build_and_this_pythons_zstandard(pyz, python, tmp_path):
@@ -90,16 +130,15 @@ def test_racing_first_runs_extract_once_and_both_work(pyz, tmp_path, smollm2_pat
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [run.communicate(timeout=300) for run in runs]
     assert all(run.returncode == 0 for run in runs), outputs
-    entries = list((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
-    assert len(entries) == 1, entries  # no leftover temporary directories
+    extracted_parts(tmp_path)
 
 
 def test_under_a_python_without_zstandard_it_serves_caches_raw_and_saves_sessions(pyz, tmp_path, smollm2_path):
     workdir, env = isolated(pyz, tmp_path)
     assert subprocess.run([sys.executable, *ISOLATED, "reame.pyz", "--version"], cwd=workdir, env=env,
                           capture_output=True, timeout=120).returncode == 0
-    extracted = next((tmp_path / "home" / ".cache" / "reame" / "lib").iterdir())
-    shutil.rmtree(extracted / "python" / python_tag())  # as under a Python minor the file has no build for
+    natives, _ = extracted_parts(tmp_path)
+    shutil.rmtree(natives / "python" / python_tag())  # as under a Python minor the file has no build for
     version = subprocess.run([sys.executable, *ISOLATED, "reame.pyz", "--version"], cwd=workdir, env=env,
                              capture_output=True, text=True, timeout=120)
     assert "zstandard missing (snapshots stored uncompressed)" in version.stdout

@@ -214,3 +214,23 @@ def test_no_package_index_stops_the_build_at_once(tmp_path):
                        PIP_INDEX_URL="http://127.0.0.1:9/simple")
     assert_refused(result, tmp_path, "no package index answers pip")
     assert "the llama.cpp source" in result.stderr and "the wheels the .pyz carries" in result.stderr
+
+
+def test_the_pyz_main_names_its_python_tree_and_bundle(monkeypatch, tmp_path):
+    source = build_zipapp.pyz_main("a" * 64, "b" * 64)
+    assert f'PYTHON_TREE = "{"a" * 64}"' in source and f'BUNDLE_SHA256 = "{"b" * 64}"' in source
+    compile(source, "__main__.py", "exec")
+    monkeypatch.setattr(build_zipapp, "ROOT", tmp_path)
+    (tmp_path / "pyz_main.py").write_text("PYTHON_TREE = None\n")
+    with pytest.raises(build_zipapp.BuildError, match="PYTHON_TREE"):
+        build_zipapp.pyz_main("a", "b")
+
+
+def test_the_python_tree_hash_follows_names_and_bytes(tmp_path):
+    (tmp_path / "reame").mkdir()
+    (tmp_path / "reame" / "a.py").write_text("x = 1\n")
+    first = build_zipapp.python_tree_hash(tmp_path)
+    (tmp_path / "reame" / "a.py").write_text("x = 2\n")
+    second = build_zipapp.python_tree_hash(tmp_path)
+    (tmp_path / "reame" / "a.py").rename(tmp_path / "reame" / "b.py")
+    assert len({first, second, build_zipapp.python_tree_hash(tmp_path)}) == 3

@@ -60,6 +60,10 @@ def test_reads_scalars_small_arrays_and_skips_large_ones(tmp_path):
     (make_gguf([kv("k", 9, struct.pack("<IQ", 9, 1))]), "nested arrays"),
     (make_gguf([kv("k", 9, struct.pack("<IQ", 77, 100))]), "unknown GGUF array type"),
     (make_gguf([kv("k", 9, struct.pack("<IQ", 6, 10**12))]), "truncated"),
+    (make_gguf([kv("k", 9, struct.pack("<IQ", 8, 10**9))]), "implausible array"),
+    (make_gguf([kv("k", 9, struct.pack("<IQ", 8, 100) + string("x") * 99)]), "truncated"),
+    (make_gguf([kv("k", 9, struct.pack("<IQ", 8, 100) + string("x") * 99 + struct.pack("<Q", 2**40))]),
+     "implausible string"),
 ])
 def test_malformed_files_are_refused_with_a_reason(tmp_path, data, fragment):
     path = tmp_path / "bad.gguf"
@@ -72,3 +76,17 @@ def test_malformed_files_are_refused_with_a_reason(tmp_path, data, fragment):
 def test_unreadable_path(tmp_path):
     with pytest.raises(ModelFileError, match="cannot read"):
         gguf.read_metadata(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 13, 64, 1 << 20])
+def test_vocabulary_skipped_across_chunk_boundaries(tmp_path, monkeypatch, chunk_bytes):
+    """Strings are stepped over in chunks: a length prefix or a string cut by a chunk's end is read whole."""
+    monkeypatch.setattr(gguf, "SKIP_CHUNK_BYTES", chunk_bytes)
+    tokens = [f"token{i}" * (i % 7) for i in range(5000)]
+    path = tmp_path / "vocab.gguf"
+    path.write_bytes(make_gguf([
+        kv("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, len(tokens)) + b"".join(map(string, tokens))),
+        kv("after", 4, struct.pack("<I", 7)),
+    ]))
+    metadata = gguf.read_metadata(path)
+    assert metadata["tokenizer.ggml.tokens"].length == 5000 and metadata["after"] == 7

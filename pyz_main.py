@@ -1,0 +1,115 @@
+"""The `__main__.py` of dist/reame.pyz (build_zipapp.py writes PYTHON_TREE and BUNDLE_SHA256 in).
+
+zipimport cannot cache bytecode, so a .pyz compiles every module it imports from
+source on every start: 0.4 s of a one-shot prompt for Reame and jinja2. Instead,
+the first run extracts the .pyz's Python files once to
+<cache>/lib/<PYTHON_TREE>-python/ and compiles them for this interpreter; every
+run then imports from there. The directory is named by the files' content hash
+and made in a temporary directory renamed into place, like the native libraries
+(reame/native.py), so a half-written tree is never used and two first runs
+racing are harmless; the bytecode is checked against that hash, not against
+file times. A read-only or full cache directory still works: Reame runs from
+the .pyz itself, slower, and says so.
+
+Only the standard library is imported before the tree is on sys.path.
+"""
+
+import os
+import sys
+
+# Written in by build_zipapp.py: the sha256 of the .pyz's Python files, and of its native bundle.
+PYTHON_TREE = ""
+BUNDLE_SHA256 = ""
+NATIVE_DIR = "reame_native"  # reame/native.py's BUNDLE_DIR: extracted by reame itself, per machine
+COMPILED_MARK = ".compiled"
+
+
+def cache_root() -> str:
+    """As reame/native.py's cache_root, which cannot be imported before the tree is chosen."""
+    return os.environ.get("REAME_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "reame")
+
+
+def tree_directory() -> str:
+    return os.path.join(cache_root(), "lib", f"{PYTHON_TREE}-python")
+
+
+def compiled_mark(directory: str) -> str:
+    """The file saying the tree's bytecode for this interpreter and optimisation level is complete."""
+    return os.path.join(directory, f"{COMPILED_MARK}-{sys.implementation.cache_tag}-O{sys.flags.optimize}")
+
+
+def extract(archive: str, directory: str) -> None:
+    """The .pyz's Python files (not its native parts, not this file) into `directory`, atomically."""
+    import shutil
+    import tempfile
+    import zipfile
+
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".extract-", dir=parent)
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            for member in bundle.infolist():
+                name = member.filename
+                if member.is_dir() or name == "__main__.py" or name.startswith(NATIVE_DIR + "/"):
+                    continue
+                bundle.extract(member, staging)
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if not os.path.isdir(directory):  # another first run won the race: use its tree
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def compile_tree(directory: str) -> None:
+    """Bytecode for every module of the tree, for this interpreter. A module that does not compile here
+    (a file for another Python version) is left to fail when imported, as it would from the .pyz."""
+    import py_compile
+
+    for root, _, files in os.walk(directory):
+        for name in files:
+            if name.endswith(".py"):
+                try:
+                    py_compile.compile(os.path.join(root, name), doraise=True,
+                                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+                except py_compile.PyCompileError:
+                    continue
+    with open(compiled_mark(directory), "w"):
+        pass
+
+
+def prepared_tree(archive: str) -> str | None:
+    """The directory to import from, extracted and compiled; None (after saying why) when the cache
+    cannot hold it."""
+    directory = tree_directory()
+    try:
+        if not os.path.isdir(os.path.join(directory, "reame")):
+            extract(archive, directory)
+        if not os.path.exists(compiled_mark(directory)):
+            compile_tree(directory)
+    except OSError as error:
+        print(f"reame: cannot keep compiled Python in {directory} ({error.strerror or error}); running from "
+              "the .pyz, which compiles every module again on every start", file=sys.stderr)
+        return None
+    return directory
+
+
+def main() -> None:
+    archive = os.path.dirname(os.path.abspath(__file__))
+    tree = prepared_tree(archive) if PYTHON_TREE else None
+    if tree is not None:
+        sys.path.insert(0, tree)
+    import runpy
+
+    import reame.native
+
+    reame.native.ARCHIVE = archive  # imported from the tree, it cannot find its .pyz by its loader
+    reame.native.BUNDLE_SHA256 = BUNDLE_SHA256 or None
+    runpy.run_module("reame", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""A serving node from typed settings: the HTTP server's settings, its sessions, its answer cache.
+
+Apart from assembly.py so that a one-shot prompt never imports the HTTP server.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from reame import catalog
+from reame.arca.client import StoreAddress, StoreClient
+from reame.assembly import Plan, model_settings, new_engine
+from reame.engine import Engine
+from reame.model.llama import LlamaBackend
+from reame.native import cache_root
+from reame.server.answers import AnswerCache
+from reame.server.http import ServerSettings
+from reame.server.serve import serve
+from reame.server.sessions import Sessions
+from reame.settings import Settings
+
+log = logging.getLogger("reame")
+
+
+def server_settings(settings: Settings, default_model_id: str) -> ServerSettings:
+    server = settings.server
+    return ServerSettings(
+        host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
+        max_connections=server.max_connections, max_requests=server.max_requests, max_body_bytes=server.max_body_bytes,
+        idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
+        request_timeout_s=server.request_timeout_s,
+        grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
+        request_log=server.request_logging, metrics=server.metrics)
+
+
+def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
+    """Listen, load the model, serve until a signal (server/serve.py)."""
+    http = server_settings(settings, entry.name if entry else path.stem)
+    n_seq = chosen["server.parallel"].value
+    model = model_settings(path, settings, chosen, n_seq)
+
+    def load_engine() -> Engine:
+        backend = LlamaBackend(model)
+        facts = backend.describe()
+        log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
+                 facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
+        return new_engine(backend, settings, serving=True).start()
+
+    sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)
+    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint()))
+
+
+def answer_cache(settings: Settings, fingerprint: bytes) -> AnswerCache | None:
+    """The exact answer cache in the store `arca.remote` names (ARCA or a real Redis), if any."""
+    if not settings.arca.remote:
+        return None
+    address = StoreAddress.parse(settings.arca.remote)
+    log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
+    return AnswerCache(StoreClient(address), fingerprint, settings.arca.answer_ttl_ms)

@@ -1,0 +1,58 @@
+"""A shell script's one-shot prompt imports only what it uses: not the HTTP server, not ARCA, not the
+grammar compilers, not the download machinery (each costs every start its import time). A module
+added to the one-shot path must be added below on purpose."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Every module of Reame a one-shot prompt on a model already on disk may import.
+ALLOWED = frozenset("""
+reame reame.assembly reame.autoconfig reame.cache reame.cache.codec reame.cache.prefix reame.cache.store
+reame.catalog reame.chat reame.cli reame.conclave reame.config reame.ctypes_llama reame.ctypes_llama._lib
+reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission reame.engine.embeddings
+reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences reame.engine.slots
+reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
+reame.model.backend reame.model.chat_template reame.model.embedding reame.model.fingerprint reame.model.library
+reame.model.llama reame.model.sampler_chain reame.model.sampling reame.native reame.quantize reame.settings
+reame.speculative reame.speculative.archive reame.speculative.controller reame.speculative.draft_model
+reame.speculative.lookup reame.speculative.palimpsest reame.speculative.source reame.speculative.speculation
+reame.speculative.suggeritore reame.structured reame.structured.gbnf reame.structured.grammar
+""".split())
+# Standard-library packages only a server, a store client or a download needs.
+NOT_FOR_ONE_SHOT = ("http", "socket", "ssl", "email", "select", "selectors", "asyncio", "urllib.request",
+                    "subprocess", "xml", "sqlite3", "hmac", "secrets")
+
+LIST_IMPORTS = """
+import atexit, runpy, sys
+atexit.register(lambda: print("MODULES", *sorted(sys.modules), file=sys.stderr))
+sys.argv = ["reame", *sys.argv[1:]]
+runpy.run_module("reame", run_name="__main__", alter_sys=True)
+"""
+
+
+def imported_by(*args: str) -> set[str]:
+    result = subprocess.run([sys.executable, "-c", LIST_IMPORTS, *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(line for line in result.stderr.splitlines() if line.startswith("MODULES "))
+    return set(line.split()[1:])
+
+
+def test_a_one_shot_prompt_imports_only_what_it_uses(smollm2_path):
+    modules = imported_by("run", str(smollm2_path), "Hi", "--max-tokens", "1", "-q")
+    ours = {name for name in modules if name == "reame" or name.startswith("reame.")}
+    assert ours - ALLOWED == set()
+    assert "reame.cli" in ours and "reame.model.llama" in ours
+    assert sorted(name for name in modules if name.startswith(NOT_FOR_ONE_SHOT)) == []
+    assert "jinja2" in modules  # the model's own chat template is rendered
+
+
+def test_asked_for_a_schema_the_schema_compiler_loads(smollm2_path, tmp_path):
+    """The other side of the list: asked for, the compilers load (and the test above would see them)."""
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
+    modules = imported_by("run", str(smollm2_path), "Hi", "--max-tokens", "4", "-q", "--json-schema", str(schema))
+    assert "reame.structured.json_schema" in modules and "reame.structured.json_schema" not in ALLOWED

@@ -1,0 +1,60 @@
+"""Facts about a model file, computed once per content and then read back."""
+
+import json
+import shutil
+
+from reame.model import fingerprint
+
+
+def model_file(directory, content: bytes):
+    path = directory / "m.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def test_a_fact_is_computed_once_per_model_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def compute() -> str:
+        calls.append(1)
+        return f"value{len(calls)}"
+
+    first = model_file(tmp_path, b"GGUF" + b"a" * 5000)
+    assert fingerprint.remembered(first, "vocabulary", compute, str) == "value1"
+    assert fingerprint.remembered(first, "vocabulary", compute, str) == "value1"
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copy(first, moved / "copy.gguf")
+    assert fingerprint.remembered(moved / "copy.gguf", "vocabulary", compute, str) == "value1"
+    assert fingerprint.remembered(first, "another fact", compute, str) == "value2"
+    other = model_file(tmp_path / "elsewhere", b"GGUF" + b"b" * 5000)
+    assert fingerprint.remembered(other, "vocabulary", compute, str) == "value3"
+    assert len(calls) == 3
+    assert (tmp_path / "cache" / fingerprint.FACTS_CACHE_FILE).stat().st_mode & 0o077 == 0
+
+
+def test_a_damaged_or_full_memory_only_costs_computing_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fingerprint, "MAX_REMEMBERED_FACTS", 3)
+    path = model_file(tmp_path, b"GGUF" + b"c" * 100)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / fingerprint.FACTS_CACHE_FILE).write_text("{not json")
+    assert fingerprint.remembered(path, "f0", lambda: "x", str) == "x"
+    for index in range(1, 6):
+        fingerprint.remembered(path, f"f{index}", lambda: "y", str)
+    kept = json.loads((tmp_path / "cache" / fingerprint.FACTS_CACHE_FILE).read_text())
+    assert [key.rsplit("|", 1)[1] for key in kept] == ["f3", "f4", "f5"]
+    assert fingerprint.remembered(path, "f5", lambda: "recomputed", str) == "y"
+
+
+def test_a_remembered_value_is_checked_like_any_input(tmp_path, monkeypatch):
+    """A hostile or damaged file in the cache directory: what `parse` refuses is computed again."""
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    path = model_file(tmp_path, b"GGUF" + b"d" * 100)
+    assert fingerprint.remembered(path, "number", lambda: "7", int) == 7
+    memory = tmp_path / "cache" / fingerprint.FACTS_CACHE_FILE
+    memory.write_text(memory.read_text().replace('"7"', '"seven"'))
+    assert fingerprint.remembered(path, "number", lambda: "8", int) == 8
+    memory.write_text(memory.read_text().replace('"8"', "[1, 2]"))
+    assert fingerprint.remembered(path, "number", lambda: "9", int) == 9
