@@ -36,7 +36,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120, poll_s: float = 0.3) -> None:
+    """Return at the first 200 of /health, asked every `poll_s`; stop the benchmark if the server dies or
+    never gets there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -48,7 +50,7 @@ def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120) -> 
                 return
         except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(poll_s)
     sys.exit("a server did not become ready")
 
 

@@ -21,7 +21,6 @@ monotonic clock both processes share.
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, bench_parser, llama_tool, machine, model_path, print_table, summary
+from server import wait_ready
 
 from reame.native import LLAMA_COMMIT
 
@@ -73,22 +73,12 @@ def wall(command: list[str], env: dict[str, str] | None = None) -> float:
 
 
 def ready_after(command: list[str], port: int, env: dict[str, str] | None = None) -> float:
-    """Seconds from starting a server to its first 200 on /health (polled every 10 ms)."""
+    """Seconds from starting a server to its first 200 on /health (asked every 10 ms)."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        while time.perf_counter() - started < 300:
-            if process.poll() is not None:
-                sys.exit(f"{command[0]} exited early with {process.returncode}")
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                connection.request("GET", "/health")
-                if connection.getresponse().status == 200:
-                    return time.perf_counter() - started
-            except OSError:
-                pass
-            time.sleep(0.01)
-        sys.exit(f"{command[0]} did not become ready")
+        wait_ready(port, process, timeout_s=300, poll_s=0.01)
+        return time.perf_counter() - started
     finally:
         process.terminate()
         process.wait(timeout=60)
