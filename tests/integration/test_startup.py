@@ -56,3 +56,23 @@ def test_asked_for_a_schema_the_schema_compiler_loads(smollm2_path, tmp_path):
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')
     modules = imported_by("run", str(smollm2_path), "Hi", "--max-tokens", "4", "-q", "--json-schema", str(schema))
     assert "reame.structured.json_schema" in modules and "reame.structured.json_schema" not in ALLOWED
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(smollm2_path):
+    """`reame run … | head -1`: the pipe closes under the answer; the run ends with status 1, quietly."""
+    process = subprocess.Popen([sys.executable, "-m", "reame", "run", str(smollm2_path), "Count from 1 to 50.",
+                                "--max-tokens", "64", "--temp", "0", "-q"], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == 1
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+def test_the_answer_is_whole_when_the_process_leaves_without_finalising(smollm2_path):
+    """The process skips the interpreter's teardown after the answer: stdout is flushed first."""
+    result = subprocess.run([sys.executable, "-m", "reame", "run", str(smollm2_path), "Count from 1 to 20.",
+                             "--max-tokens", "48", "--temp", "0", "-q"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n") and len(result.stdout.strip()) > 20
