@@ -27,12 +27,16 @@ def arca(directory: Path, *flags: str):
                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
     port = None
     assert process.stderr is not None
+    said = []
     for line in process.stderr:
+        said.append(line)
         found = re.search(r"ARCA listening on 127\.0\.0\.1:(\d+)", line)
         if found:
             port = int(found.group(1))
             break
-    assert port, "ARCA did not say where it listens"
+    if not port:
+        process.kill()
+        raise AssertionError(f"ARCA did not say where it listens (exit {process.wait(timeout=30)}): {''.join(said)}")
     drain = threading.Thread(target=process.stderr.read, daemon=True)
     drain.start()
     try:
