@@ -4,9 +4,12 @@
     python -m bench all --quick         # smaller models and fewer repetitions (under 30 minutes there)
     python -m bench all --only ceiling,decode      # printed only: docs/ holds whole runs
 
-It builds libllama and llama.cpp's tools from the pinned source (cached), fetches
-the models the suite names (cached), runs the benchmarks one at a time (they must
-have the machine to themselves), and rewrites the generated part of
+First it builds what the chosen benchmarks need and the cache lacks (llama.cpp's
+tools, the native libllama, the portable builds: bench/prerequisites.py), saying
+how long that takes; a benchmark whose build cannot be made is skipped, with the
+command that makes it, and is not a failure. It fetches the models the suite
+names (cached), runs the benchmarks one at a time (they must have the machine to
+themselves), and rewrites the generated part of
 docs/BENCHMARKS.md: the machine, every benchmark's tables as it printed them,
 with its command, and charts (docs/bench/*.svg). The hand-written analyses below
 that part are kept.
@@ -23,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+import prerequisites  # noqa: E402
 from report import Result, machine_facts, write_report  # noqa: E402
 from suite import SUITE  # noqa: E402
 
@@ -39,15 +43,18 @@ def main() -> int:
     unknown = set(args.only.split(",")) - {bench.name for bench in SUITE} if args.only else set()
     if unknown:
         parser.error(f"unknown benchmark {', '.join(sorted(unknown))}")
-    build = [sys.executable, str(ROOT / "build_zipapp.py"), "--lib", "--bench-tools"]
-    print("$ " + " ".join(build[1:]), file=sys.stderr, flush=True)
-    if subprocess.run(build, cwd=ROOT).returncode != 0:
-        print("the build failed: nothing was measured", file=sys.stderr)
-        return 1
+    to_build = prerequisites.missing((need for bench in chosen for need in bench.needs), prerequisites.builds())
+    print(prerequisites.announce(to_build), file=sys.stderr, flush=True)
+    unbuilt = prerequisites.make(to_build, build)
     started = time.monotonic()
     results = []
     for bench in chosen:
         command = bench.command(args.quick)
+        skipped = prerequisites.skip_reason(bench.needs, unbuilt)
+        if skipped is not None:
+            print(f"\n{bench.name} is skipped: {skipped}", file=sys.stderr, flush=True)
+            results.append(Result(bench, command, "", 0, 0.0, skipped))
+            continue
         print(f"\n$ python {' '.join(command)}", file=sys.stderr, flush=True)
         began = time.monotonic()
         run = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -61,9 +68,19 @@ def main() -> int:
     if not write:
         print(report)
     failed = [result.bench.name for result in results if result.returncode != 0]
-    if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    skipped = [result.bench.name for result in results if result.skipped]
+    if failed or skipped or unbuilt:
+        print("; ".join(part for part in (f"failed: {', '.join(failed)}" if failed else "",
+                                          f"skipped: {', '.join(skipped)}" if skipped else "",
+                                          f"not built: {', '.join(unbuilt)}" if unbuilt else "") if part),
+              file=sys.stderr)
+    return 1 if failed else 0  # a skipped benchmark says what to build; it is not a failure
+
+
+def build(options: list[str]) -> int:
+    """Run build_zipapp.py with `options` from the tree's root, showing its progress; its exit status."""
+    print("$ python " + " ".join(options), file=sys.stderr, flush=True)
+    return subprocess.run([sys.executable, *options], cwd=ROOT).returncode
 
 
 if __name__ == "__main__":

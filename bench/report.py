@@ -37,6 +37,7 @@ class Result:
     output: str
     returncode: int
     seconds: float
+    skipped: str = ""  # why it did not run (a build it needs could not be made), with the command that makes it
 
 
 @dataclass(frozen=True)
@@ -203,10 +204,14 @@ def report_text(results: list[Result], facts: dict[str, str], quick: bool, secon
              f"(kernel flags: {facts['kernel flags']}), CPython {facts['python']}, llama.cpp {facts['llama.cpp']}; "
              f"{seconds / 60:.0f} minutes. Each section is what the benchmark printed; its command "
              "says the model, threads and repetitions."]
-    shown_under = {name: max((i for i, result in enumerate(results) if result.bench.name in DRAWS[name]), default=-1)
+    shown_under = {name: max((i for i, result in enumerate(results)
+                             if result.bench.name in DRAWS[name] and not result.skipped), default=-1)
                    for name in charts}
     for index, result in enumerate(results):
         lines += ["", f"### {result.bench.title}", "", "```sh", f"python {' '.join(result.command)}", "```", ""]
+        if result.skipped:
+            lines += [f"**Skipped**: it {result.skipped}."]
+            continue
         if result.returncode != 0:
             lines.append(f"**Failed (exit {result.returncode}) after {result.seconds:.0f} s.** What it printed:")
             lines.append("")

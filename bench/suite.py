@@ -16,6 +16,9 @@ class Bench:
     title: str
     full: tuple[str, ...]
     quick: tuple[str, ...]
+    # The builds it runs on (bench/prerequisites.py): llama.cpp's tools, and the native libllama Reame
+    # loads beside them so both sides run the same build.
+    needs: tuple[str, ...] = ("tools", "native")
 
     def command(self, quick: bool) -> list[str]:
         """The arguments after `python`: the script and its options."""
@@ -33,7 +36,7 @@ SUITE = (
           ("--model", "smollm2-135m", "--model", "qwen2.5-coder-1.5b", "--reps", "2", "--tokens", "64")),
     Bench("portable", "Portable vs native libllama",
           ("--model", "smollm2-135m", "--model", "qwen2.5-coder-1.5b"),
-          ("--model", "smollm2-135m", "--reps", "2", "--tokens", "64")),
+          ("--model", "smollm2-135m", "--reps", "2", "--tokens", "64"), needs=("native", "portable")),
     Bench("sampling", "Sampling inside the decode graph vs on the CPU", (), ("--reps", "2", "--tokens", "64")),
     Bench("server", "HTTP single stream vs llama-server",
           ("--model", "qwen2.5-coder-1.5b"), ("--reps", "2", "--tokens", "64")),
@@ -58,5 +61,5 @@ SUITE = (
           ("--model", "smollm2-135m", "--requests", "50000", "--reps", "1", "--hits", "50")),
     Bench("soak", "Soak: misbehaving clients against a few slots", (), ("--seconds", "15")),
     Bench("startup", "Start-up: a shell script's one-shot prompt and --serve until ready vs llama.cpp", (),
-          ("--reps", "3")),
+          ("--reps", "3"), needs=("tools", "pyz")),
 )
