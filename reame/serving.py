@@ -45,6 +45,10 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
         facts = backend.describe()
         log.info("model %s: %s, %.0fM parameters, context %s tokens, %s threads, %s slot(s)", path.name,
                  facts["description"], facts["parameters"] / 1e6, facts["n_ctx"], facts["n_threads"], n_seq)
+        # The chat template is compiled on first use: here, before the server says it is ready, not in
+        # the first request (a one-shot raw prompt never compiles it).
+        log.info("tools: %s", "the model's own template lays them out" if backend.template_supports_tools
+                 else "described to the model in a message of Reame's (its template has no tools)")
         return new_engine(backend, settings, serving=True).start()
 
     sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)

@@ -13,20 +13,23 @@ import heapq
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 from reame.errors import ModelError
 from reame.model.backend import (BUILTIN_TEMPLATE_BY_ARCH, DECODE_NO_KV_SLOT, DECODE_OK, EMBEDDING_POOLING,
                                  EMBEDDING_SEQUENCES,
                                  TEMPLATE_SPECIAL_TOKENS, ModelSettings, fallback_chat_format, usable_cores)
-from reame.model.chat_template import ChatTemplate
 from reame.model.fingerprint import remembered
 from reame.model.embedding import EmbeddingContext
 from reame.model.library import forget_llama_errors, init_native, last_llama_error
 from reame.model.sampler_chain import GrammarOnRejection, new_chain
 from reame.model.sampling import Step
+
+if TYPE_CHECKING:
+    from reame.model.chat_template import ChatTemplate
 
 log = logging.getLogger("reame.engine")
 
@@ -98,7 +101,10 @@ class LlamaBackend:
             BUILTIN_TEMPLATE_BY_ARCH[self.architecture].encode()
             if self.architecture in BUILTIN_TEMPLATE_BY_ARCH else None)
         self.has_chat_template = self._chat_template is not None
-        self._jinja = self._jinja_template(template) if settings.chat_template == "jinja" else None
+        # The model's own Jinja template, compiled when first used: a raw one-shot prompt never imports jinja2.
+        self._jinja_source = template if settings.chat_template == "jinja" else None
+        self._jinja_compiled: ChatTemplate | None = None
+        self._jinja_lock = threading.Lock()
 
         self.n_embd = api.llama_model_n_embd(self._model)
         self.embedding_context_tokens = settings.embedding_ctx
@@ -210,11 +216,18 @@ class LlamaBackend:
         tokens = (api.llama_vocab_fim_pre(vocab), api.llama_vocab_fim_suf(vocab), api.llama_vocab_fim_mid(vocab))
         return None if any(token < 0 for token in tokens) else tokens
 
-    def _jinja_template(self, source: bytes | None) -> ChatTemplate | None:
-        """The GGUF's own template, compiled; None (llama.cpp's detection instead) without one, or when
-        it does not compile (said once)."""
-        if not source:
-            return None
+    @property
+    def _jinja(self) -> ChatTemplate | None:
+        """The GGUF's own template, compiled on first use (by any thread, once); None (llama.cpp's
+        detection instead) without one, or when it does not compile (said once)."""
+        with self._jinja_lock:
+            if self._jinja_source:
+                self._jinja_compiled = self._compile_template(self._jinja_source)
+                self._jinja_source = None
+            return self._jinja_compiled
+
+    def _compile_template(self, source: bytes) -> ChatTemplate | None:
+        from reame.model.chat_template import ChatTemplate  # jinja2: 40 ms to import, only for templates
         special_tokens = {}
         for name, key in TEMPLATE_SPECIAL_TOKENS.items():
             token_id = self.meta(key)

@@ -50,6 +50,11 @@ def test_a_one_shot_prompt_imports_only_what_it_uses(smollm2_path):
     assert "jinja2" in modules  # the model's own chat template is rendered
 
 
+def test_a_raw_prompt_does_not_import_jinja2(smollm2_path):
+    modules = imported_by("run", str(smollm2_path), "Hi", "--max-tokens", "1", "-q", "--raw")
+    assert not {name for name in modules if name.startswith("jinja2") or name == "reame.model.chat_template"}
+
+
 def test_asked_for_a_schema_the_schema_compiler_loads(smollm2_path, tmp_path):
     """The other side of the list: asked for, the compilers load (and the test above would see them)."""
     schema = tmp_path / "schema.json"
