@@ -137,8 +137,9 @@ def activate_bundle() -> Path | None:
     (read-only, full) costs a private temporary copy for this run, said once. Returns the directory, or
     None outside a .pyz or when the .pyz carries nothing for this machine (`locate` then says so)."""
     archive = running_archive()
-    if BUNDLE_SHA256 is not None and (cache_root() / "lib" / f"{BUNDLE_SHA256}-{machine()}" / "lib").is_dir():
-        return with_zstandard(cache_root() / "lib" / f"{BUNDLE_SHA256}-{machine()}")
+    known = cache_root() / "lib" / f"{BUNDLE_SHA256}-{machine()}"
+    if BUNDLE_SHA256 is not None and (known / "lib").is_dir():
+        return with_zstandard(known)
     manifest = bundle_manifest()
     if manifest is None or machine() not in manifest["machines"]:
         return None
