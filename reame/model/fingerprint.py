@@ -28,6 +28,7 @@ SAMPLE_BYTES = 64 << 10
 HASH_CACHE_FILE = "model-hashes.json"
 FACTS_CACHE_FILE = "model-facts.json"
 MAX_REMEMBERED_FACTS = 1024  # a file shared by every model ever served; oldest forgotten first
+MAX_MEMORY_BYTES = 16 << 20  # either memory file at its bound is well under 1 MiB
 T = TypeVar("T")
 
 
@@ -91,9 +92,15 @@ def kv_fingerprint(content_hash: str, kv_type: str, flash_attn: str, n_stream: i
 
 
 def _read_hash_cache(path: Path) -> dict[str, str]:
+    """A memory file read back; a damaged, deep or oversized one (a file in the cache directory is input
+    like any other) counts as empty, read no further than MAX_MEMORY_BYTES."""
     try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with path.open("rb") as stream:
+            data = stream.read(MAX_MEMORY_BYTES + 1)
+        if len(data) > MAX_MEMORY_BYTES:
+            return {}
+        known = json.loads(data)
+    except (OSError, ValueError, RecursionError):
         return {}
     return known if isinstance(known, dict) else {}
 

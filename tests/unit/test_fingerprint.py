@@ -58,3 +58,15 @@ def test_a_remembered_value_is_checked_like_any_input(tmp_path, monkeypatch):
     assert fingerprint.remembered(path, "number", lambda: "8", int) == 8
     memory.write_text(memory.read_text().replace('"8"', "[1, 2]"))
     assert fingerprint.remembered(path, "number", lambda: "9", int) == 9
+
+
+def test_a_deep_or_oversized_memory_file_counts_as_empty(tmp_path, monkeypatch):
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fingerprint, "MAX_MEMORY_BYTES", 1 << 16)
+    path = model_file(tmp_path, b"GGUF" + b"e" * 100)
+    memory = tmp_path / "cache" / fingerprint.FACTS_CACHE_FILE
+    memory.parent.mkdir()
+    memory.write_text("[" * 50_000 + "]" * 50_000)
+    assert fingerprint.remembered(path, "deep", lambda: "1", int) == 1
+    memory.write_text('{"k": "' + "x" * (1 << 17) + '"}')
+    assert fingerprint.remembered(path, "big", lambda: "2", int) == 2
