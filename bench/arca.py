@@ -110,7 +110,8 @@ def main() -> None:
         path = str(model_path(args.model))
         http_port = free_port()
         env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=f"redis://127.0.0.1:{store_port}/0",
-                   REAME_CACHE_DIR=str(work / "kv"), REAME_SPECULATIVE_PALIMPSEST="0")
+                   REAME_CACHE_DIR=str(work / "kv"), REAME_SPECULATIVE_PALIMPSEST="0",
+                   REAME_CACHE_ANSWERS="1", REAME_CACHE_ANSWERS_DISK_MB="0", REAME_CACHE_ANSWERS_RAM_MB="0")
         node = subprocess.Popen(server_command("reame", path, http_port, args.threads, 4096), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

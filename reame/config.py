@@ -103,6 +103,13 @@ KEYS: tuple[Key, ...] = (
         "snapshot a prompt once at least this many of its tokens had to be prefilled", minimum=1),
     Key("cache.block_tokens", "int", 32, "tokens per block of the prefix index", minimum=1),
     Key("cache.compress", "bool", True, "zstd-compress snapshots when a sample shows that it pays"),
+    Key("cache.answers", "bool", True, "answer a deterministic request (greedy, or sampled with a seed) that "
+        "was answered before from the kept answer, without the model"),
+    Key("cache.answers_dir", "str", "", "directory of the kept answers, shared by processes; "
+        "empty = $REAME_CACHE/answers"),
+    Key("cache.answers_ram_mb", "float", 16, "most MiB of recent answers kept in RAM; 0 = none", minimum=0),
+    Key("cache.answers_disk_mb", "float", 256, "most MiB of answers in cache.answers_dir (least recently used "
+        "go first); 0 = none on disk", minimum=0),
     Key("arca.host", "str", "127.0.0.1", "address `reame arca` listens on (0.0.0.0 exposes it: set a password)"),
     Key("arca.port", "int", 6420, "TCP port of `reame arca`", minimum=0, maximum=65535),
     Key("arca.dir", "str", "", "`reame arca`'s append-only file directory; empty = $REAME_CACHE/arca"),
@@ -115,7 +122,7 @@ KEYS: tuple[Key, ...] = (
     Key("arca.client_query_buffer_mb", "float", 32, "most MiB of one client's unparsed input to `reame arca` "
         "(Redis's client-query-buffer-limit); past it the client is refused and closed", minimum=0.01),
     Key("arca.remote", "str", "", "a serving node's shared store, redis://[:password@]host:port/0 (ARCA or a "
-        "real Redis/Valkey): exact answers; empty = none"),
+        "real Redis/Valkey): exact answers (after this node's own), the Palimpsest's corpus; empty = none"),
     Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",
         minimum=0),
     Key("embeddings.context_length", "int", 2048,

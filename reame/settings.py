@@ -80,6 +80,15 @@ class CacheOptions:
 
 
 @dataclass(frozen=True)
+class AnswerOptions:
+    """The exact answer cache's tiers on this node (the shared store is `arca.remote`)."""
+    enabled: bool
+    directory: Path
+    ram_budget_bytes: int
+    disk_budget_bytes: int  # 0: no disk tier
+
+
+@dataclass(frozen=True)
 class SpeculativeOptions:
     enabled: bool
     lookup: bool
@@ -123,6 +132,7 @@ class Settings:
     memory: MemoryOptions
     server: ServerOptions
     cache: CacheOptions
+    answers: AnswerOptions
     speculative: SpeculativeOptions
     embeddings: EmbeddingOptions
     arca: ArcaOptions
@@ -136,6 +146,7 @@ def from_values(values: dict[str, Value]) -> Settings:
         return values[name].value
 
     cache_dir = get("cache.dir")
+    answers_dir = get("cache.answers_dir")
     palimpsest_dir = get("speculative.palimpsest_dir")
     return Settings(
         log_level=get("logging.level"),
@@ -162,6 +173,11 @@ def from_values(values: dict[str, Value]) -> Settings:
             disk_budget_bytes=int(get("cache.disk_mb") * 2**20), ram_budget_bytes=int(get("cache.ram_mb") * 2**20),
             min_new_tokens=get("cache.min_new_tokens"), block_tokens=get("cache.block_tokens"),
             compress=get("cache.compress")),
+        answers=AnswerOptions(
+            enabled=get("cache.answers"),
+            directory=Path(answers_dir).expanduser() if answers_dir else cache_root() / "answers",
+            ram_budget_bytes=int(get("cache.answers_ram_mb") * 2**20),
+            disk_budget_bytes=int(get("cache.answers_disk_mb") * 2**20)),
         speculative=SpeculativeOptions(
             enabled=get("speculative.enabled"), lookup=get("speculative.lookup"),
             suggeritore=get("speculative.suggeritore"), palimpsest=get("speculative.palimpsest"),

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Tests that run the CLI or a server get a prefix cache of their own, never the user's.
+# Tests that run the CLI or a server get a prefix cache and kept answers of their own, never the user's.
 os.environ.setdefault("REAME_CACHE_DIR", tempfile.mkdtemp(prefix="reame-test-kv-"))
+os.environ.setdefault("REAME_CACHE_ANSWERS_DIR", tempfile.mkdtemp(prefix="reame-test-answers-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -153,11 +153,12 @@ def _compression_pays(blob: bytes | memoryview) -> bool:
 
 
 def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
-                     pause: Callable[[], None] = lambda: None) -> None:
+                     pause: Callable[[], None] = lambda: None, durable: bool = True) -> None:
     """`parts` and their crc32 trailer to a new private temp file in the same directory, fsync, rename,
     fsync the directory: readers see all of it or nothing, and once this returns it survives a crash.
     `pause()` is called between slices of WRITE_SLICE bytes: it may sleep while the cores are better spent
-    elsewhere."""
+    elsewhere. `durable=False` skips both fsyncs, for files cheap to lose (a crash may then leave a file
+    whose crc32 is wrong: readers check it)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     temporary.unlink(missing_ok=True)  # a leftover of this same process and thread (it died mid-write)
     crc = 0
@@ -173,9 +174,11 @@ def write_atomically(path: Path, parts: Sequence[bytes | memoryview],
             out.write(TRAILER.pack(crc))
             pause()
             out.flush()
-            os.fsync(out.fileno())
+            if durable:
+                os.fsync(out.fileno())
         os.replace(temporary, path)
-        fsync_directory(path.parent)
+        if durable:
+            fsync_directory(path.parent)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
@@ -206,7 +209,7 @@ class DiskStore:
         self._verified: dict[str, FileIdentity] = {}
         private_directory(directory)
         with self._locked():
-            self._remove_abandoned_writes()
+            remove_abandoned_writes(directory)
             self._enforce_budget()
         self.refresh()
 
@@ -398,35 +401,45 @@ class DiskStore:
         self.path(name).unlink(missing_ok=True)
         self._count("corrupt_dropped", 1)
 
-    def _remove_abandoned_writes(self) -> None:
-        """Temporary files of writers that died mid-write (kill -9, power loss) never become snapshots:
-        remove those whose process is gone (lock held, so no live writer of this directory is mid-rename)."""
-        for entry in os.scandir(self.directory):
-            parts = entry.name.split(".")
-            if entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 5 and parts[-3].isdigit():
-                if not _process_alive(int(parts[-3])):
-                    Path(entry.path).unlink(missing_ok=True)
-
     def _enforce_budget(self) -> None:
         """Delete the least recently used files until the directory fits its budget (lock held)."""
-        files = []
-        for entry in os.scandir(self.directory):
-            if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
-                try:
-                    stat = entry.stat()
-                except OSError:
-                    continue
-                files.append((stat.st_mtime_ns, entry.name, stat.st_size))
-        total = sum(size for _, _, size in files)
-        for _, file_name, size in sorted(files):
-            if total <= self.budget_bytes:
-                break
-            (self.directory / file_name).unlink(missing_ok=True)  # `refresh` reports it gone
-            total -= size
-            self._count("evictions", 1)
+        evicted = enforce_budget(self.directory, SUFFIX, self.budget_bytes)  # `refresh` reports them gone
+        if evicted:
+            self._count("evictions", evicted)
 
     def _locked(self) -> FileLock:
         return FileLock(self.directory / LOCK_NAME)
+
+
+def remove_abandoned_writes(directory: Path) -> None:
+    """Temporary files of writers that died mid-write (kill -9, power loss) never become files of the
+    directory: remove those whose process is gone (its lock held, so no live writer is mid-rename)."""
+    for entry in os.scandir(directory):
+        parts = entry.name.split(".")
+        if entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 5 and parts[-3].isdigit():
+            if not _process_alive(int(parts[-3])):
+                Path(entry.path).unlink(missing_ok=True)
+
+
+def enforce_budget(directory: Path, suffix: str, budget_bytes: int) -> int:
+    """Delete the least recently used (by mtime) `suffix` files until the directory fits `budget_bytes`
+    (its lock held); how many went."""
+    files = []
+    for entry in os.scandir(directory):
+        if entry.name.endswith(suffix) and not entry.name.startswith("."):
+            try:
+                stat = entry.stat()
+            except OSError:
+                continue
+            files.append((stat.st_mtime_ns, entry.name, stat.st_size))
+    total, evicted = sum(size for _, _, size in files), 0
+    for _, file_name, size in sorted(files):
+        if total <= budget_bytes:
+            break
+        (directory / file_name).unlink(missing_ok=True)
+        total -= size
+        evicted += 1
+    return evicted
 
 
 def _process_alive(pid: int) -> bool:

@@ -20,8 +20,11 @@ from reame.server.answers import AnswerTap, StoredAnswer
 from reame.server.http import Handler, HttpError
 from reame.server.service import POLL_S, Service, refusal
 from reame.server.shapes import Choice, Response
-from reame.server.validation import MAX_CHOICES, Fields, sampling_params, stream_usage
+from reame.server.validation import MAX_CHOICES, Fields, answer_cache_allowed, sampling_params, stream_usage
 from reame.structured.tools import ToolRequest, tool_parser
+
+
+CACHE_HEADER = "X-Reame-Cache"  # hit, miss; bypass (a request the cache cannot or may not answer); off
 
 
 def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
@@ -60,9 +63,10 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
                                       streamed=stream)
                     for prompt_index, prompt in enumerate(prompts)
                     for params in attempt_params(base, seed, prompt_index, n, elect_among)]
-        # One deterministic answer (greedy, or an explicit seed) may already be in the shared store.
+        # One deterministic answer (greedy, or an explicit seed) may have been kept.
         cacheable = app.answers is not None and len(requests) == 1 and session is None and \
-            logprobs is None and (base.temperature == 0 or seed is not None)
+            logprobs is None and (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
+        handler.response_headers[CACHE_HEADER] = "off" if app.answers is None else "bypass"
         answer_key = None
         try:
             handles = None
@@ -71,7 +75,8 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
                 tokens = engine.prompt_tokens(requests[0])
                 requests = [dataclasses.replace(requests[0], prompt=tokens, suffix=None)]
                 answer_key = cache_key(app, tokens, requests[0].params, chat, tools, seed)
-                handles = from_store(app, tokens, answer_key, sink)
+                handles = kept_answer(app, tokens, answer_key, sink)
+                handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
             if handles is None:
                 handles = engine.submit_together(requests, sink)
         except (RequestError, OverloadedError) as error:
@@ -105,11 +110,11 @@ def cache_key(app: Service, tokens: list[int], params: SamplingParams, chat: boo
     return app.answers.key(tokens, params, shape)
 
 
-def from_store(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
-    """The answer from the store as the engine's events, or None on a miss (counted either way)."""
+def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
+    """The kept answer as the engine's events, or None on a miss (counted either way)."""
     assert app.answers is not None
     cached = app.answers.get(key)
-    app.metrics.add("reame_answer_cache_lookups_total", result="hit" if cached else "miss")
+    app.metrics.add("reame_answers_hits_total" if cached else "reame_answers_misses_total")
     if cached is None:
         return None
     sink.put((0, TokenEvent(-1, cached.text)))
@@ -120,7 +125,7 @@ def from_store(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQu
 def keep_answer(app: Service, key: bytes, text: str, finish: FinishEvent) -> None:
     assert app.answers is not None
     if app.answers.put(key, text, finish):
-        app.metrics.add("reame_answer_cache_stored_total")
+        app.metrics.add("reame_answers_stored_total")
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,

@@ -173,6 +173,7 @@ class Handler(BaseHTTPRequestHandler):
     server: Listener
 
     owner = ""  # whose request this is: set by `authorized()`
+    response_headers: dict[str, str]  # set by a route for the response it sends (X-Reame-Cache)
 
     def setup(self) -> None:
         settings = self.server.settings
@@ -190,6 +191,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.idle(self.connection)  # until the next request's first byte (the reader says busy)
         self.reader.next_request(first=self.requests_served == 0)
         self.requests_served += 1
+        self.response_headers = {}
         try:
             self.raw_requestline = self.rfile.readline(65537)
             self.server.busy(self.connection)  # (a pipelined request is read from the buffer: no first byte)
@@ -378,6 +380,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
             self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+            self.send_header("Access-Control-Expose-Headers", "X-Reame-Cache")
 
     def send_response(self, code: int, message: str | None = None) -> None:
         self.response_started = True
@@ -387,7 +390,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
+        for name, value in {**self.response_headers, **(headers or {})}.items():
             self.send_header(name, value)
         self.send_cors_headers()
         if self.close_connection:
@@ -411,6 +414,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("X-Accel-Buffering", "no")  # nginx in front passes events on at once, whatever its config
         self.send_header("Connection", "close")
+        for name, value in self.response_headers.items():
+            self.send_header(name, value)
         self.send_cors_headers()
         self.end_headers()
         self.server.app.count_response(200)

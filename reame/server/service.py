@@ -25,7 +25,7 @@ class Service:
 
     def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
                  sessions: Sessions | None = None, answers: AnswerCache | None = None) -> None:
-        """`answers`: the exact answer cache in a shared store (arca.remote), if any."""
+        """`answers`: the exact answer cache (None: cache.answers is off)."""
         self.settings = settings
         self.engine: Engine | None = None
         self.sessions = sessions
@@ -39,9 +39,11 @@ class Service:
                               "prompt tokens found in the KV (slot, session, prefix cache, a twin request's "
                               "prefill) instead of computed")
         self.metrics.describe("reame_conclave_elections_total", "counter", "best_of answers elected")
-        self.metrics.describe("reame_answer_cache_lookups_total", "counter",
-                              "deterministic requests looked up in the shared store, by result (hit or miss)")
-        self.metrics.describe("reame_answer_cache_stored_total", "counter", "answers written to the shared store")
+        self.metrics.describe("reame_answers_hits_total", "counter",
+                              "deterministic requests answered from the exact answer cache")
+        self.metrics.describe("reame_answers_misses_total", "counter",
+                              "deterministic requests looked up in the exact answer cache and not found")
+        self.metrics.describe("reame_answers_stored_total", "counter", "answers kept in the exact answer cache")
         self.metrics.describe("reame_conclave_early_stops_total", "counter",
                               "elections decided by a majority while attempts still ran (those were stopped)")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")

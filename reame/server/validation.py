@@ -105,22 +105,31 @@ def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) ->
         raise HttpError(400, str(error), param=error.param, code="invalid_value") from None
 
 
+EXTENSION_FIELDS = ("best_of", "cache")
+
+
+def extension(fields: Fields) -> Fields:
+    """Reame's own extension object of a request, `"reame": {"best_of": N, "cache": false}` (empty when
+    absent)."""
+    value = fields.body.get("reame")
+    if value is None:
+        return Fields({})
+    if not isinstance(value, dict):
+        raise fields.bad("reame", "an object")
+    unknown = sorted(set(value) - set(EXTENSION_FIELDS))
+    if unknown:
+        raise HttpError(400, f"'reame' has no field '{unknown[0]}' (it takes: {', '.join(EXTENSION_FIELDS)})",
+                        param="reame", code="invalid_value")
+    return Fields(value)
+
+
 def best_of(fields: Fields, chat: bool) -> int:
     """Attempts per answer elected by the Conclave (1: none). Completions take OpenAI's `best_of`
     (equal to `n`: n plain choices, as before); chat, which has no such field, Reame's extension object
     `"reame": {"best_of": N}`."""
     n = fields.integer("n", 1, 1, MAX_CHOICES)
     if chat:
-        extension = fields.body.get("reame")
-        if extension is None:
-            return 1
-        if not isinstance(extension, dict):
-            raise fields.bad("reame", "an object")
-        unknown = sorted(set(extension) - {"best_of"})
-        if unknown:
-            raise HttpError(400, f"'reame' has no field '{unknown[0]}' (it takes: best_of)", param="reame",
-                            code="invalid_value")
-        attempts = Fields(extension).integer("best_of", 1, 1, MAX_CHOICES)
+        attempts = extension(fields).integer("best_of", 1, 1, MAX_CHOICES)
     else:
         attempts = fields.integer("best_of", None, 1, MAX_CHOICES)
         if attempts is None or attempts == n:
@@ -130,6 +139,12 @@ def best_of(fields: Fields, chat: bool) -> int:
         raise HttpError(400, "best_of elects one answer per prompt: use it with n = 1", param="best_of",
                         code="unsupported_parameter")
     return attempts
+
+
+def answer_cache_allowed(fields: Fields) -> bool:
+    """False when the request opts out of the exact answer cache, `"reame": {"cache": false}`: it is
+    computed afresh, and its answer is not kept."""
+    return extension(fields).boolean("cache", True)
 
 
 def check_model(fields: Fields) -> None:

@@ -52,7 +52,7 @@ def hits(base: str) -> float:
     with urllib.request.urlopen(base + "/stats", timeout=30) as response:
         samples = json.loads(response.read())["samples"]
     return sum(s["value"] for s in samples
-               if s["name"] == "reame_answer_cache_lookups_total" and s["labels"].get("result") == "hit")
+               if s["name"] == "reame_answers_hits_total")
 
 
 @pytest.mark.parametrize("kind", ["arca", "redis-server"])
@@ -63,8 +63,9 @@ def test_two_nodes_share_answers_and_survive_the_store(native_libraries, smollm2
                    REAME_CACHE_DIR=str(tmp_path / "kv"), REAME_SPECULATIVE_PALIMPSEST_DIR=str(tmp_path / "pal"))
         command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--ctx", "2048",
                    "--threads", "2"]
-        first = stack.enter_context(live_server(command, env=env)).base
-        second = stack.enter_context(live_server(command, env=env)).base
+        # Two machines: each its own disk of kept answers, so the second finds the answer only in the store.
+        first, second = (stack.enter_context(live_server(command, env=dict(
+            env, REAME_CACHE_ANSWERS_DIR=str(tmp_path / machine)))).base for machine in ("a1", "a2"))
         answered = post(first, CHAT)
         hit = post(second, CHAT)
         assert hit["choices"][0]["message"]["content"] == answered["choices"][0]["message"]["content"]

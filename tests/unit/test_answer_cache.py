@@ -1,5 +1,6 @@
-"""The exact answer cache on FakeBackend servers sharing an ARCA on a thread: hits without the engine,
-what is never cached, a store that goes away."""
+"""The exact answer cache on FakeBackend servers: one node alone (RAM, then its disk, which a restarted
+or sibling process reads), and nodes sharing an ARCA on a thread: hits without the engine, what is never
+cached, the opt-out, a store that goes away."""
 
 import json
 
@@ -8,7 +9,8 @@ import pytest
 from reame.arca.client import StoreAddress, StoreClient
 from reame.engine import Engine
 from tests.fakes.backend import FakeBackend
-from reame.server.answers import AnswerCache
+from reame.cache.answers import DiskAnswers, RamAnswers
+from reame.server.answers import AnswerCache, SharedAnswers
 from tests.arca_thread import arca_thread
 from tests.live_server import free_port
 from tests.unit.test_server import Live
@@ -23,17 +25,21 @@ def store(tmp_path):
         yield port
 
 
-def node(port: int) -> tuple[Live, Engine, FakeBackend]:
+def shared(port: int, ttl_ms: int = 60_000) -> SharedAnswers:
+    return SharedAnswers(StoreClient(StoreAddress("127.0.0.1", port, "", 0)), ttl_ms)
+
+
+def node(*tiers) -> tuple[Live, Engine, FakeBackend]:
     backend = FakeBackend(n_ctx=1024, n_seq_max=2)
     engine = Engine(backend).start()
     live = Live(engine)
-    live.app.answers = AnswerCache(StoreClient(StoreAddress("127.0.0.1", port, "", 0)), FINGERPRINT, 60_000)
+    live.app.answers = AnswerCache(list(tiers), FINGERPRINT)
     return live, engine, backend
 
 
 @pytest.fixture
 def nodes(store):
-    made = [node(store) for _ in range(2)]
+    made = [node(RamAnswers(1 << 20), shared(store)) for _ in range(2)]
     yield made
     for live, engine, _ in made:
         live.close()
@@ -57,15 +63,15 @@ def stream_text(live: Live, body: dict) -> tuple[str, dict]:
 def test_an_answer_from_one_node_is_a_hit_on_the_other_without_its_engine(nodes):
     (first, _, _), (second, _, second_backend) = nodes
     status, answered = first.json("POST", "/v1/chat/completions", CHAT)
-    assert status == 200 and metric(first, "reame_answer_cache_lookups_total", result="miss") == 1
-    assert metric(first, "reame_answer_cache_stored_total") == 1
+    assert status == 200 and metric(first, "reame_answers_misses_total") == 1
+    assert metric(first, "reame_answers_stored_total") == 1
     status, hit = second.json("POST", "/v1/chat/completions", CHAT)
     assert status == 200 and second_backend.decode_calls == []  # the engine never ran
     assert hit["choices"][0]["message"] == answered["choices"][0]["message"]
     assert hit["choices"][0]["finish_reason"] == answered["choices"][0]["finish_reason"]
     assert hit["usage"]["completion_tokens"] == answered["usage"]["completion_tokens"]
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == hit["usage"]["prompt_tokens"]
-    assert metric(second, "reame_answer_cache_lookups_total", result="hit") == 1
+    assert metric(second, "reame_answers_hits_total") == 1
     text, usage = stream_text(second, CHAT)  # streamed too
     assert text == answered["choices"][0]["message"]["content"] and second_backend.decode_calls == []
     assert usage["completion_tokens"] == answered["usage"]["completion_tokens"]
@@ -90,13 +96,13 @@ def test_a_seeded_sampled_answer_is_shared_but_an_unseeded_one_never_is(nodes):
     assert second_backend.decode_calls == []
     unseeded = dict(CHAT, temperature=0.9)
     first.json("POST", "/v1/chat/completions", unseeded)
-    assert metric(first, "reame_answer_cache_stored_total") == 1  # only the seeded one
+    assert metric(first, "reame_answers_stored_total") == 1  # only the seeded one
     second.json("POST", "/v1/chat/completions", unseeded)
     assert second_backend.decode_calls != []
 
 
 def test_a_cut_answer_is_never_kept(store):
-    cache = AnswerCache(StoreClient(StoreAddress("127.0.0.1", store, "", 0)), FINGERPRINT, 0)
+    cache = AnswerCache([shared(store, 0)], FINGERPRINT)
     from reame.engine import FinishEvent, Usage
     usage = Usage(5, 3, 0.1, 0.1)
     assert cache.put(b"k1", "abc", FinishEvent("cancelled", usage)) is False
@@ -104,15 +110,87 @@ def test_a_cut_answer_is_never_kept(store):
     assert cache.put(b"k3", "abc", FinishEvent("error", usage, "boom")) is False
     assert cache.put(b"k4", "abc", FinishEvent("length", usage)) is True  # its max_tokens is in the key
     assert cache.get(b"k1") is None and cache.get(b"k4").text == "abc"
+    assert cache.get(b"k4").finish(5).usage.cached_tokens == 5
 
 
 def test_without_its_store_a_node_answers_as_if_it_had_none(tmp_path):
-    live, engine, backend = node(free_port())  # nothing listens there
+    live, engine, backend = node(shared(free_port()))  # nothing listens there
     try:
         for _ in range(2):
             status, body = live.json("POST", "/v1/chat/completions", CHAT)
             assert status == 200 and body["choices"][0]["message"]["content"] is not None
-        assert live.app.answers.store.failures == 1  # then it waits a backoff instead of trying each time
+        assert live.app.answers.tiers[0].store.failures == 1  # then it waits a backoff instead of trying each time
+    finally:
+        live.close()
+        engine.close()
+
+
+@pytest.fixture
+def alone(tmp_path):
+    """One node with the default tiers (RAM, then disk), and a way to make it again as a restart would."""
+    made = []
+
+    def start(ram_bytes: int = 1 << 20, disk_bytes: int = 1 << 20):
+        made.append(node(RamAnswers(ram_bytes), DiskAnswers(tmp_path / "answers", disk_bytes)))
+        return made[-1]
+    yield start
+    for live, engine, _ in made:
+        live.close()
+        engine.close()
+
+
+def test_one_node_alone_answers_a_repeat_from_ram_and_says_so(alone):
+    live, _, backend = alone()
+    response, first = live.request("POST", "/v1/chat/completions", CHAT)
+    assert response.status == 200 and response.getheader("X-Reame-Cache") == "miss"
+    calls = len(backend.decode_calls)
+    response, again = live.request("POST", "/v1/chat/completions", CHAT)
+    assert response.getheader("X-Reame-Cache") == "hit" and len(backend.decode_calls) == calls
+    assert json.loads(again)["choices"] == json.loads(first)["choices"]
+    assert metric(live, "reame_answers_hits_total") == 1 and metric(live, "reame_answers_misses_total") == 1
+    text, usage = stream_text(live, CHAT)
+    assert text == json.loads(first)["choices"][0]["message"]["content"] and len(backend.decode_calls) == calls
+    assert usage["completion_tokens"] == json.loads(first)["usage"]["completion_tokens"]
+
+
+def test_a_restarted_node_finds_the_answer_on_disk_and_keeps_it_in_ram(alone):
+    first, _, _ = alone()
+    _, answered = first.json("POST", "/v1/chat/completions", CHAT)
+    restarted, _, backend = alone()
+    status, hit = restarted.json("POST", "/v1/chat/completions", CHAT)
+    assert status == 200 and backend.decode_calls == [] and hit["choices"] == answered["choices"]
+    assert len(restarted.app.answers.tiers[0]) == 1  # copied into RAM
+
+
+def test_a_request_that_opts_out_is_computed_and_not_kept(alone):
+    live, _, backend = alone()
+    opted_out = dict(CHAT, reame={"cache": False})
+    for _ in range(2):
+        response, _ = live.request("POST", "/v1/chat/completions", opted_out)
+        assert response.status == 200 and response.getheader("X-Reame-Cache") == "bypass"
+    calls = len(backend.decode_calls)
+    assert calls and metric(live, "reame_answers_stored_total") == 0
+    response, _ = live.request("POST", "/v1/completions", {"prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                                           "reame": {"cache": False}})
+    assert response.status == 200 and response.getheader("X-Reame-Cache") == "bypass"
+    status, body = live.json("POST", "/v1/chat/completions", dict(CHAT, reame={"cache": "no"}))
+    assert status == 400 and body["error"]["param"] == "cache"
+    status, body = live.json("POST", "/v1/chat/completions", dict(CHAT, reame={"caches": False}))
+    assert status == 400 and "best_of, cache" in body["error"]["message"]
+
+
+def test_sampled_without_a_seed_is_never_looked_up(alone):
+    live, _, _ = alone()
+    response, _ = live.request("POST", "/v1/chat/completions", dict(CHAT, temperature=0.8))
+    assert response.getheader("X-Reame-Cache") == "bypass" and metric(live, "reame_answers_misses_total") == 0
+
+
+def test_without_the_cache_the_header_says_off():
+    live, engine, _ = node()
+    live.app.answers = None
+    try:
+        response, _ = live.request("POST", "/v1/chat/completions", CHAT)
+        assert response.status == 200 and response.getheader("X-Reame-Cache") == "off"
     finally:
         live.close()
         engine.close()
