@@ -88,7 +88,8 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
         response = Response(chat, app.settings.model_id, engine.backend.token_piece if logprobs is not None
                             else None, per_prompt=group)
-        choices = [Choice(parser=tool_parser(tools)) for _ in handles]
+        choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer))
+                   for handle in handles]
         if stream:
             stream_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
                         release_session)

@@ -93,8 +93,8 @@ class Service:
 
     def account(self, choices: list[Choice]) -> None:
         for choice in choices:
-            if choice.finish is None:
-                continue
+            if choice.finish is None or not choice.computed:
+                continue  # a kept answer counts in reame_answers_hits_total only
             usage = choice.finish.usage
             self.metrics.add("reame_generations_total")
             self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens)

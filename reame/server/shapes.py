@@ -19,6 +19,7 @@ class Choice:
     finish: FinishEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
     parser: ToolCallParser | None = None  # set when the request offered tools
+    computed: bool = True  # False for an answer from the exact answer cache: no token was generated for it
 
     @property
     def text(self) -> str:
