@@ -2,9 +2,15 @@
 
 Rewrites, extractions and code edits repeat long stretches of their input;
 when the last `n` tokens appeared before, what followed them then is a good
-guess for what follows now. Longer n-grams win over more recent shorter ones;
-among equals the most recent earlier occurrence wins. An index from n-gram to
-its latest end position keeps each step O(max_ngram) however long the prompt.
+guess for what follows now. Longer n-grams win over more recent shorter ones.
+Among the earlier occurrences of the longest n-gram, the one whose context
+matches furthest back wins, and among equals the most recent: a JSON record
+rewritten field by field repeats `"status": "` in every record, and the
+record being copied is the one whose earlier fields match too (as
+llama.cpp's ngram-simple finds it by matching 12 tokens). An index from
+n-gram to its latest end position, and a chain of every earlier occurrence
+of the longest ones, keep each step O(max_ngram + MAX_CANDIDATES x
+MATCH_WINDOW) however long the prompt.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from reame.structured.grammar import Grammar
+
+MAX_CANDIDATES = 16  # earlier occurrences of the longest n-gram weighed per draft, newest first
+MATCH_WINDOW = 64  # how far back an occurrence's match with the context is measured
 
 
 class PromptLookup:
@@ -45,6 +54,8 @@ class LookupDrafter:
         self.history: list[int] = []
         # n-gram -> position just after its latest occurrence that ends before the last token
         self._next_after: dict[tuple[int, ...], int] = {}
+        # position just after an occurrence of a max_ngram-gram -> just after its previous one (-1: none)
+        self._earlier: dict[int, int] = {}
         # Tokens seen but not indexed yet: a long prompt is indexed when the first draft is asked for
         # (2.6 ms for 3,900 tokens here), after its first token went out, not before.
         self._unindexed: list[int] = []
@@ -59,7 +70,10 @@ class LookupDrafter:
             # ends at the very last token would only match itself.
             end = len(history)
             for n in range(1, min(max_ngram, end) + 1):
-                next_after[tuple(history[end - n:end])] = end
+                key = tuple(history[end - n:end])
+                if n == max_ngram:
+                    self._earlier[end] = next_after.get(key, -1)
+                next_after[key] = end
             history.append(token)
         self._unindexed = []
 
@@ -72,8 +86,27 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             start = self._next_after.get(tuple(history[-n:]))
             if start is not None:
+                if n == self.max_ngram:
+                    start = self._furthest_match(start, n)
                 return history[start:start + limit]
         return []
+
+    def _furthest_match(self, start: int, n: int) -> int:
+        """Among `start` and the earlier occurrences chained to it, the one whose context matches the
+        history's end furthest back (the most recent among equals)."""
+        history, last = self.history, len(self.history) - 1
+        best, best_length = start, -1
+        for _ in range(MAX_CANDIDATES):
+            if start < 0:
+                break
+            length = n
+            while length < MATCH_WINDOW and start - length - 1 >= 0 and \
+                    history[start - length - 1] == history[last - length]:
+                length += 1
+            if length > best_length:
+                best, best_length = start, length
+            start = self._earlier.get(start, -1)
+        return best
 
     def close(self) -> None:
         pass

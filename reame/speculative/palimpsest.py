@@ -18,6 +18,22 @@ checked token by token (keys are hashes) and scored by how far back it
 matches the context. Among the candidates that match furthest, the draft
 follows the most frequent continuation, token by token, and never crosses
 into the next record.
+
+A sequence keeps its place in the record it drafts from (`Place`): each
+token it emits moves the place on. A repeated request rarely repeats its
+answer exactly — greedy decoding under speculation is exact only up to float
+rounding, and a near tie can go the other way — and after such a token the
+context's end is new to the archive: the keys find nothing, or a chance
+match of a few tokens elsewhere, until a key's worth of tokens after the
+divergence matched. The place instead re-aligns at once (the token replaced
+the archived one, or skipped a few of them, or was put in before one) and is
+drafted from again as soon as one emitted token confirms it, so a divergence
+costs two steps, not five or the rest of the answer. Drafting from the place
+before that confirmation was tried and lost: on a real repeat (Qwen2.5-Coder-
+1.5B, whose greedy answer drafted from one decoded without drafts rephrases
+a third of it) most divergences are rephrasings, not single tokens, and the
+eager drafts were rejected. After MAX_MISSES tokens in a row that do not
+fit, the texts have parted and the place is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 from pathlib import Path
 
@@ -47,6 +64,9 @@ AGREEMENT = 0.5  # a draft goes on only while more than this share of the candid
 PROMPT_TOKENS = 512  # the end of a prompt kept with its answer
 SEPARATOR = -1  # between records in the flat array: no key spans it, no draft crosses it
 SYNC_SECONDS = 1.0  # fsync and read what other processes appended at this interval
+SKIP_AHEAD = 4  # archived tokens an emitted token may have skipped and still re-align the place
+STEP_BACK = 2  # tokens an emitted token may have been put in before, and still re-align the place
+MAX_MISSES = 4  # emitted tokens in a row that do not fit the place before it is dropped
 
 
 class ContinuationIndex:
@@ -78,8 +98,13 @@ class ContinuationIndex:
 
     def continuation(self, context: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens that most often followed the longest archived match of `context`'s end."""
+        return self.find(context, limit)[0]
+
+    def find(self, context: Sequence[int], limit: int) -> tuple[list[int], int, int]:
+        """(the continuation, where the newest candidate that gave it all starts, how many of the
+        context's last tokens it matched); ([], -1, 0) when nothing matches."""
         if limit <= 0 or len(context) < SHORT:
-            return []
+            return [], -1, 0
         tail = list(context[-MATCH_WINDOW:])
         best, candidates = MIN_MATCH - 1, []  # three tokens in common say little
         for n in (LONG, SHORT):
@@ -100,7 +125,10 @@ class ContinuationIndex:
                 position = chain[position]
             if candidates:
                 break  # the long key found something: the short one can only match less far back
-        return self._most_frequent(candidates, limit)
+        draft, survivors = self._most_frequent(candidates, limit)
+        if not draft:
+            return [], -1, 0
+        return draft, max(survivors) - len(draft), best
 
     def _match_length(self, tail: list[int], position: int, known: int) -> int:
         tokens, length = self.tokens, known
@@ -111,9 +139,38 @@ class ContinuationIndex:
             length += 1
         return length
 
-    def _most_frequent(self, candidates: list[int], limit: int) -> list[int]:
+    def follow(self, position: int, limit: int) -> list[int]:
+        """Up to `limit` archived tokens from `position`, within its record."""
+        tokens, end = self.tokens, min(position + limit, len(self.tokens))
+        draft = tokens[position:end].tolist()
+        return draft[:draft.index(SEPARATOR)] if SEPARATOR in draft else draft
+
+    def realign(self, position: int, token: int) -> tuple[int, bool] | None:
+        """The place after `token` was emitted where `position`'s token was expected, and whether it
+        was that token; None when the record ended there. A token found a few places on means the
+        ones before it were skipped; one found just before, that the one emitted earlier was put in;
+        otherwise it stands for the expected one."""
+        tokens = self.tokens
+        if position >= len(tokens) or tokens[position] == SEPARATOR:
+            return None
+        if tokens[position] == token:
+            return position + 1, True
+        for ahead in range(position + 1, min(position + 1 + SKIP_AHEAD, len(tokens))):
+            if tokens[ahead] == SEPARATOR:
+                break
+            if tokens[ahead] == token:
+                return ahead + 1, False
+        for back in range(position - 1, max(position - 1 - STEP_BACK, -1), -1):
+            if tokens[back] == SEPARATOR:
+                break
+            if tokens[back] == token:
+                return back + 1, False
+        return position + 1, False
+
+    def _most_frequent(self, candidates: list[int], limit: int) -> tuple[list[int], list[int]]:
         """Follow the continuation most candidates share, while more than AGREEMENT of them do: where
-        earlier answers went different ways (a product's name after the same `Name:`), the draft stops."""
+        earlier answers went different ways (a product's name after the same `Name:`), the draft stops.
+        Also the candidates that followed it to its end."""
         tokens, draft = self.tokens, []
         while candidates and len(draft) < limit:
             counts = collections.Counter(tokens[p] for p in candidates if tokens[p] != SEPARATOR)
@@ -124,7 +181,16 @@ class ContinuationIndex:
                 break
             draft.append(token)
             candidates = [p + 1 for p in candidates if tokens[p] == token]
-        return draft
+        return draft, candidates
+
+
+@dataclass
+class Place:
+    """Where a sequence is in the record it drafts from: the archived token it should emit next."""
+
+    index: ContinuationIndex  # positions mean nothing in another index (the archive was read afresh)
+    position: int
+    misses: int = 0  # emitted tokens in a row that were not the expected one
 
 
 class Closable(Protocol):
@@ -167,6 +233,35 @@ class Palimpsest:
     def continuation(self, context: Sequence[int], limit: int) -> list[int]:
         with self._lock:
             return self._index.continuation(context, limit) if self._index is not None else []
+
+    def find(self, context: Sequence[int], limit: int) -> tuple[list[int], int, Place | None]:
+        """The continuation of `context`'s longest archived match, how many tokens matched, and the
+        place it was drafted from."""
+        with self._lock:
+            if self._index is None:
+                return [], 0, None
+            draft, start, matched = self._index.find(context, limit)
+            return draft, matched, Place(self._index, start) if draft else None
+
+    def follow(self, place: Place, limit: int) -> list[int]:
+        with self._lock:
+            return place.index.follow(place.position, limit) if place.index is self._index else []
+
+    def advance(self, place: Place, tokens: Sequence[int]) -> bool:
+        """Move `place` past the emitted `tokens`; False once it is lost (the record ended, the texts
+        parted, the archive was read afresh)."""
+        with self._lock:
+            if place.index is not self._index:
+                return False
+            for token in tokens:
+                moved = place.index.realign(place.position, token)
+                if moved is None:
+                    return False
+                place.position, expected = moved
+                place.misses = 0 if expected else place.misses + 1
+                if place.misses >= MAX_MISSES:
+                    return False
+            return True
 
     def record(self, tokens: Sequence[int]) -> None:
         """A generation ended (with the end of its prompt): index it now, archive it within a second,
@@ -248,13 +343,26 @@ class PalimpsestDrafter:
         self.prompt = list(prompt[-PROMPT_TOKENS:])
         self.context = list(self.prompt)
         self.generated = 0
+        self.place: Place | None = None
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.context.extend(tokens)
         self.generated += len(tokens)
+        if self.place is not None and not self.source.advance(self.place, tokens):
+            self.place = None
 
     def propose(self, limit: int) -> list[int]:
-        return self.source.continuation(self.context, limit)
+        """The longest match's continuation; but while the context's end is new to the archive (its match
+        is shorter than a long key), the continuation from the sequence's place, once the last token
+        emitted was the one the place expected."""
+        draft, matched, place = self.source.find(self.context, limit)
+        if self.place is not None and self.place.misses == 0 and matched < LONG:
+            followed = self.source.follow(self.place, limit)
+            if followed:
+                return followed
+        if place is not None:
+            self.place = place
+        return draft
 
     def close(self) -> None:
         if self.generated:

@@ -160,6 +160,43 @@ def test_a_long_prompt_end_finds_its_own_record_among_many_with_the_same_last_to
     assert index.continuation(asked, 4) == [5003, 6003]
 
 
+PROMPT = list(range(100, 120))
+ANSWER = list(range(500, 540))
+
+
+def following(source, emitted):
+    """A drafter of PROMPT that drafted once and then saw `emitted`: its next draft."""
+    drafter = source.drafter(PROMPT)
+    assert drafter.propose(8) == ANSWER[:8]
+    drafter.observe(emitted)
+    return drafter.propose(8)
+
+
+@pytest.mark.parametrize("emitted, resumes_at", [
+    (ANSWER[:10] + [9, 511], 12),  # the archived 510 replaced by 9, and the answer goes on with 511
+    (ANSWER[:10] + [513, 514], 15),  # 510-512 skipped
+    (ANSWER[:10] + [9, 510, 511], 12),  # 9 put in before 510
+    (ANSWER[:10] + [9, 7, 512], 13),  # two replaced
+])
+def test_after_a_divergence_the_draft_goes_on_from_the_archived_answer_once_a_token_confirms_it(
+        tmp_path, emitted, resumes_at):
+    source = palimpsest(tmp_path)
+    source.record(PROMPT + ANSWER)
+    assert source.continuation(PROMPT + emitted, 8) == []  # the keys see only a context new to the archive
+    assert following(source, emitted) == ANSWER[resumes_at:resumes_at + 8]
+    assert following(source, emitted[:-1]) == []  # not before: the texts may have parted
+    source.close()
+
+
+def test_texts_that_parted_for_good_drop_the_place_and_the_record_end_ends_it(tmp_path):
+    source = palimpsest(tmp_path)
+    source.record(PROMPT + ANSWER)
+    assert following(source, ANSWER[:10] + [1, 2, 3, 513]) == ANSWER[14:22]  # three misses, then back
+    assert following(source, ANSWER[:10] + [1, 2, 3, 4, 514]) == []  # four: parted
+    assert following(source, ANSWER) == []  # the archived answer ended: nothing past it
+    source.close()
+
+
 def test_the_vocabulary_hash_tells_tokenizers_apart():
     pieces = [b"a", b"b", b"c"]
     same = vocabulary_hash(pieces.__getitem__, 3)

@@ -68,6 +68,14 @@ def test_prompt_lookup_follows_the_longest_then_most_recent_match():
     assert drafter.propose(0) == []
 
 
+def test_prompt_lookup_copies_the_occurrence_whose_context_matches_furthest_back():
+    lookup = PromptLookup(max_ngram=3, min_ngram=2)
+    first, second = [9, 1, 2, 3, 40, 41], [8, 1, 2, 3, 50, 51]  # two records sharing a field's name
+    assert lookup.drafter([*first, *second, 7, 9, 1, 2, 3]).propose(2) == [40, 41]  # the older record
+    assert lookup.drafter([*first, *second, 7, 8, 1, 2, 3]).propose(2) == [50, 51]
+    assert lookup.drafter([*first, *second, 7, 6, 1, 2, 3]).propose(2) == [50, 51]  # equal: the newest
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
 
