@@ -67,6 +67,12 @@ def server_command(kind: str, path: str, port: int, threads: int, context: int, 
             "--port", str(port), "--host", "127.0.0.1"]
 
 
+def rotated(names: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    """`names` starting at `turn` (modulo their number): who goes first changes from turn to turn."""
+    turn %= len(names)
+    return names[turn:] + names[:turn]
+
+
 def machine() -> str:
     cpu = "unknown cpu"
     try:

@@ -30,14 +30,14 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command, \
+from common import ROOT, bench_parser, rotated, machine, model_path, print_table, read_stream, server_command, \
     speculation_counts
-from server import free_port, wait_ready
+from server import ServerGroup
 
 from reame.native import LLAMA_COMMIT
 
@@ -83,41 +83,22 @@ def chat(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     return answer.last - sent, answer.decode_speed, answer.tokens
 
 
-class Servers:
-    """The five servers, started and restarted together; Reame's archive outlives restarts."""
+def servers(path: str, threads: int, archive: str) -> ServerGroup:
+    """The five servers; Reame's archive outlives their restarts."""
+    def launch(name: str) -> Callable[[int], tuple[list[str], dict[str, str]]]:
+        settings = SERVERS[name]
 
-    def __init__(self, path: str, threads: int, archive: str) -> None:
-        self.path, self.threads, self.archive = path, threads, archive
-        self.running: dict[str, tuple[subprocess.Popen, int]] = {}
-
-    def start(self) -> None:
-        for name, settings in SERVERS.items():
-            port = free_port()
-            command = server_command("llama-server" if isinstance(settings, list) else "reame", self.path, port,
-                                     self.threads, 4096)
+        def how(port: int) -> tuple[list[str], dict[str, str]]:
+            command = server_command("llama-server" if isinstance(settings, list) else "reame", path, port,
+                                     threads, 4096)
             env = dict(os.environ, PYTHONPATH=str(ROOT))
             if isinstance(settings, dict):
-                env.update({key: value.format(archive=self.archive) for key, value in settings.items()})
+                env.update({key: value.format(archive=archive) for key, value in settings.items()})
             else:
                 command += settings
-            self.running[name] = (subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                                                   stderr=subprocess.DEVNULL), port)
-        for process, port in self.running.values():
-            wait_ready(port, process, timeout_s=300)
-
-    def stop(self) -> None:
-        for process, _ in self.running.values():
-            process.terminate()
-            process.wait(60)
-        self.running = {}
-
-    def port(self, name: str) -> int:
-        return self.running[name][1]
-
-
-def rotated(names: tuple[str, ...], turn: int) -> tuple[str, ...]:
-    turn %= len(names)
-    return names[turn:] + names[:turn]
+            return command, env
+        return how
+    return ServerGroup({name: launch(name) for name in SERVERS})
 
 
 def main() -> None:
@@ -134,30 +115,30 @@ def main() -> None:
     repeated: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
     counted: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="reame-palimpsest-bench-") as archive:
-        servers = Servers(path, args.threads, archive)
+        group = servers(path, args.threads, archive)
         try:
-            servers.start()
+            group.start()
             for turn, prompt in enumerate(first_pass):
                 for name in rotated(names, turn):
-                    chat(servers.port(name), prompt, 300)
-            before = speculation_counts(servers.port("reame"), "palimpsest")
+                    chat(group.port(name), prompt, 300)
+            before = speculation_counts(group.port("reame"), "palimpsest")
             for turn, prompt in enumerate(second_pass):
                 for name in rotated(names, turn):
-                    template[name].append(chat(servers.port(name), prompt, 300))
-            after = speculation_counts(servers.port("reame"), "palimpsest")
+                    template[name].append(chat(group.port(name), prompt, 300))
+            after = speculation_counts(group.port("reame"), "palimpsest")
             counted["template"] = {key: after[key] - before[key] for key in after}
             for name in names:
-                chat(servers.port(name), REPEATED, args.tokens)
-            servers.stop()
-            servers.start()
-            before = speculation_counts(servers.port("reame"), "palimpsest")
+                chat(group.port(name), REPEATED, args.tokens)
+            group.stop()
+            group.start()
+            before = speculation_counts(group.port("reame"), "palimpsest")
             for rep in range(args.reps):
                 for name in rotated(names, rep):
-                    repeated[name].append(chat(servers.port(name), REPEATED, args.tokens))
-            after = speculation_counts(servers.port("reame"), "palimpsest")
+                    repeated[name].append(chat(group.port(name), REPEATED, args.tokens))
+            after = speculation_counts(group.port("reame"), "palimpsest")
             counted["repeated"] = {key: after[key] - before[key] for key in after}
         finally:
-            servers.stop()
+            group.stop()
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
           f"greedy · {len(second_pass)} template requests after {len(first_pass)} · repeated ×{args.reps}\n")
     rows = []

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command, summary
@@ -52,6 +53,33 @@ def wait_ready(port: int, process: subprocess.Popen, timeout_s: float = 120, pol
             pass
         time.sleep(poll_s)
     sys.exit("a server did not become ready")
+
+
+class ServerGroup:
+    """Servers started, restarted and stopped together (what they keep on disk outlives a restart).
+    `launch[name](port)` gives the command and the environment that serve on `port`."""
+
+    def __init__(self, launch: dict[str, Callable[[int], tuple[list[str], dict[str, str]]]]) -> None:
+        self.launch = launch
+        self.running: dict[str, tuple[subprocess.Popen, int]] = {}
+
+    def start(self) -> None:
+        for name, how in self.launch.items():
+            port = free_port()
+            command, env = how(port)
+            self.running[name] = (subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                                   stderr=subprocess.DEVNULL), port)
+        for process, port in self.running.values():
+            wait_ready(port, process, timeout_s=300)
+
+    def stop(self) -> None:
+        for process, _ in self.running.values():
+            process.terminate()
+            process.wait(60)
+        self.running = {}
+
+    def port(self, name: str) -> int:
+        return self.running[name][1]
 
 
 def stream_once(port: int, n_tokens: int, tag: str) -> tuple[float, float]:
