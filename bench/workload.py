@@ -246,15 +246,19 @@ def ceiling(nights: list[Night], prefill_speed: float, draft_speed: float) -> fl
     total = 0.0
     for night in nights:
         for request in night.requests:
-            answer = night.answers[REFERENCE][request.key]
             if request.key in keys:
                 continue  # a repeat: the answer is known
             keys.add(request.key)
+            answer = night.answers[REFERENCE][request.key]
             shared = max((len(os.path.commonprefix([request.text, earlier])) for earlier in seen), default=0)
             new_tokens = answer.prompt_tokens * (1 - shared / max(1, len(request.text)))
             total += new_tokens / prefill_speed + answer.completion_tokens / draft_speed
             seen.append(request.text)
     return total
+
+
+def mean_seconds(night: Night, name: str, requests: list[Request]) -> float:
+    return statistics.mean(night.answers[name][r.key].seconds for r in requests) if requests else 0.0
 
 
 def report(job: str, concurrency: int, nights: list[Night], limit: float) -> list[list[str]]:
@@ -264,17 +268,17 @@ def report(job: str, concurrency: int, nights: list[Night], limit: float) -> lis
     rows = []
     totals = {name: first.wall[name] + second.wall[name] for name in SERVERS}
     for name in SERVERS:
-        def mean(night: Night, requests: list[Request], who: str = name) -> float:
-            return statistics.mean(night.answers[who][r.key].seconds for r in requests) if requests else 0.0
         cost = statistics.mean(second.answers[name][r.key].seconds / first.answers[name][r.key].seconds
                                for r in repeated) if repeated else 0.0
-        checks = [(r.check(n.answers[name][r.key].text)) for n in nights for r in n.requests]
+        checks = [r.check(n.answers[name][r.key].text) for n in nights for r in n.requests]
         identical = sum(r.meaning(n.answers[name][r.key].text) == r.meaning(n.answers[REFERENCE][r.key].text)
                         for n in nights for r in n.requests)
         right = sum(c[1] for c in checks)
         of = sum(c[2] for c in checks)
-        rows.append([job, str(concurrency), name, f"{totals[name]:.1f}", f"{mean(first, first.requests):.2f}",
-                     f"{mean(second, repeated):.2f}", f"{mean(second, new):.2f}", f"{100 * cost:.0f}%",
+        rows.append([job, str(concurrency), name, f"{totals[name]:.1f}",
+                     f"{mean_seconds(first, name, first.requests):.2f}",
+                     f"{mean_seconds(second, name, repeated):.2f}", f"{mean_seconds(second, name, new):.2f}",
+                     f"{100 * cost:.0f}%",
                      f"{sum(c[0] for c in checks)}/{len(checks)}", f"{right}/{of}" if of else "",
                      f"{identical}/{len(checks)}", f"{totals[PEER] / totals[name]:.2f}"])
     rows.append([job, str(concurrency), "ceiling", f"{limit:.1f}", "", "", "", "0%", "", "", "",

@@ -41,6 +41,13 @@ def create_private(path: Path) -> BinaryIO:
     return os.fdopen(os.open(path, NEW_FILE_FLAGS, PRIVATE_FILE), "wb")
 
 
+def read_private(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a file, never read through a symlink someone planted (OSError then, as
+    for a missing file)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as stream:
+        return stream.read(limit)
+
+
 def fsync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable (the new name is on disk, not only the file's bytes)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)

@@ -6,7 +6,8 @@ answer as the server encodes it); it never interprets the value. Both tiers are 
 fails is a miss, a write that fails is not made, and neither raises.
 
 On disk one file per answer, named by the key's digest, in a private directory: written whole (temp file,
-fsync, rename, crc32 trailer, as snapshots are), a hit touches the file (recency for the LRU, seen by every
+rename, crc32 trailer, as snapshots are, but without their fsyncs: an answer is cheap to lose, and one a
+crash left half written fails its crc32 and is a miss), a hit touches the file (recency for the LRU, seen by every
 process), and the least recently used files go when the directory passes its byte budget. A file that is
 too large, truncated, corrupt or not ours is a miss and is removed.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from reame.cache.store import TRAILER, enforce_budget, remove_abandoned_writes, write_atomically
-from reame.files import FileLock, private_directory
+from reame.files import FileLock, private_directory, read_private
 
 log = logging.getLogger("reame.cache")
 
@@ -99,8 +100,7 @@ class DiskAnswers:
         if path is None:
             return None
         try:
-            with open(path, "rb", opener=_no_follow) as stream:
-                data = stream.read(MAX_VALUE_BYTES + TRAILER.size + 1)
+            data = read_private(path, MAX_VALUE_BYTES + TRAILER.size + 1)
         except OSError:
             return None  # not there (the usual miss), or unreadable
         value = data[:-TRAILER.size]
@@ -139,8 +139,3 @@ class DiskAnswers:
             except OSError:
                 pass
         return True
-
-
-def _no_follow(path: str, flags: int) -> int:
-    """Open never through a symlink someone planted in the directory."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
