@@ -70,8 +70,8 @@ SERVERS = {
 BASE = "reame, Palimpsest off"
 
 
-def chat(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """(wall seconds, decode tok/s, tokens) of one streamed greedy chat answer."""
+def chat(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+    """(wall seconds, decode tok/s, tokens, text) of one streamed greedy chat answer."""
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}})
@@ -80,7 +80,7 @@ def chat(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
     answer = read_stream(connection.getresponse())
     connection.close()
-    return answer.last - sent, answer.decode_speed, answer.tokens
+    return answer.last - sent, answer.decode_speed, answer.tokens, answer.text
 
 
 def servers(path: str, threads: int, archive: str) -> ServerGroup:
@@ -111,8 +111,9 @@ def main() -> None:
     prompts = [TEMPLATE.format(customer=customer, name=product, category=category, price=price, days=3 + 7 * i % 25)
                for i, (customer, (product, category, price)) in enumerate(zip(CUSTOMERS, PRODUCTS))]
     first_pass, second_pass = prompts[:args.products], prompts[args.products:2 * args.products]
-    template: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
-    repeated: dict[str, list[tuple[float, float, int]]] = {name: [] for name in names}
+    template: dict[str, list[tuple[float, float, int, str]]] = {name: [] for name in names}
+    repeated: dict[str, list[tuple[float, float, int, str]]] = {name: [] for name in names}
+    archived = ""  # Reame's answer before the restart
     counted: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="reame-palimpsest-bench-") as archive:
         group = servers(path, args.threads, archive)
@@ -128,7 +129,8 @@ def main() -> None:
             after = speculation_counts(group.port("reame"), "palimpsest")
             counted["template"] = {key: after[key] - before[key] for key in after}
             for name in names:
-                chat(group.port(name), REPEATED, args.tokens)
+                answer = chat(group.port(name), REPEATED, args.tokens)
+                archived = answer[3] if name == "reame" else archived
             group.stop()
             group.start()
             before = speculation_counts(group.port("reame"), "palimpsest")
@@ -159,6 +161,10 @@ def main() -> None:
                      f"{counts['accepted']:.0f}/{counts['drafted']:.0f}" if counts else ""])
     print_table(["workload", "server", "tokens", "wall s (sum)", "decode tok/s", "speed-up (wall)",
                  "speed-up (tok/s, paired)", "Palimpsest accepted/drafted"], rows)
+    texts = [archived] + [answer[3] for answer in repeated["reame"]]
+    print("\nReame's repeats in order, speed-up (paired) and whether the text is the one before it: " + ", ".join(
+        f"{mine[1] / base[1]:.2f}× {'same' if text == before else 'differs'}"
+        for mine, base, text, before in zip(repeated["reame"], repeated[BASE], texts[1:], texts)))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ SUITE = (
           ("--tokens", "64", "--reps", "1")),
     Bench("palimpsest", "The Palimpsest: a template workload and a repeat after a restart", (),
           ("--products", "4", "--reps", "1", "--tokens", "96")),
+    Bench("batch_numerics", "A row's logits by its batch's size: why a verified greedy answer can differ", (),
+          ("--tokens", "96")),
     Bench("workload", "The jobs users run, over two nights: triage, questions over a document, code completion",
           (), ("--concurrency", "1", "--tickets", "16", "--questions", "8", "--steps", "6")),
     Bench("structured", "Structured output and Il Suggeritore vs llama-server's json_schema", (),
