@@ -61,6 +61,10 @@ def original(name: str, filename: str, url: str, note: str, ctx: int = 4096) -> 
                       sources=(UrlSource(sha256=None, url=url),))
 
 
+# What `reame --serve` and `reame --prompt` use when no config names a model: the README's first command's
+# model, small enough (98 MB) for any machine Reame runs on.
+DEFAULT_MODEL = "smollm2-135m"
+
 CATALOG: tuple[ModelEntry, ...] = (
     ModelEntry(
         name="smollm2-135m",

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -125,11 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reame", description="CPU-first LLM inference on llama.cpp.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Config mode: reame --config FILE --prompt TEXT answers with the model of the config file.")
+        epilog="Config mode: reame --serve | --prompt TEXT | --print-config [--config FILE]. Without --config: "
+               "$REAME_CONFIG, else the first of ./config/reame.conf, ./reame.conf, ~/.config/reame/reame.conf, "
+               f"/etc/reame/reame.conf; with none, the model {catalog.DEFAULT_MODEL}.")
     parser.add_argument("--version", action=VersionAction, nargs=0, help="version, llama.cpp pin, build in use")
     parser.add_argument("-v", action="version", version=f"reame {__version__}",
                         help="the version in one line, as the original Reame printed it")
     parser.add_argument("--prompt", "-p", help="config mode: complete this text (raw, no chat template)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="config mode: show the config file found, every setting and why, then exit")
     add_common_flags(parser)
     add_server_flags(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -150,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--grammar", metavar="FILE", help="answer with text this GBNF grammar accepts")
     run.add_argument("--draft-model", metavar="MODEL",
                      help="a smaller model with the same vocabulary that drafts tokens (catalog name or path)")
-    run.add_argument("--print-config", action="store_true", help="show every setting and why, then exit")
+    run.add_argument("--print-config", action="store_true", default=argparse.SUPPRESS,
+                     help="show every setting and why, then exit")
     add_server_flags(run, default=argparse.SUPPRESS)
 
     warm = commands.add_parser("warm", help="prefill documents into the prefix cache ahead of time",
@@ -186,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"also write a copy requantized to TYPE ({', '.join(QUANT_TYPES)}) beside it and print its "
                            "path (docs/models.md: which types batch faster here, and what they cost in quality)")
     return parser
+
+
+def hints() -> str:
+    """What bare `reame` prints, exiting 0 as the original did: the version and where to start."""
+    return "\n".join([
+        f"reame {__version__} (llama.cpp {LLAMA_COMMIT}): CPU-first LLM inference",
+        f'  reame run {catalog.DEFAULT_MODEL} "prompt"   answer once; reame list shows the models',
+        "  reame run MODEL                   chat",
+        "  reame --serve                     serve the API: ./config/reame.conf's model, or the first config",
+        "                                    found (reame --print-config --serve says which)",
+        "  reame --help                      every command and option"])
 
 
 class VersionAction(argparse.Action):
@@ -234,7 +249,12 @@ def configure_logging(level: int) -> None:
 
 # --- settings ---------------------------------------------------------------------------
 
-def load_settings(args: argparse.Namespace) -> Settings:
+DEFAULT_MODEL_ORIGIN = "the catalog's default: no config names a model"  # --print-config's reason
+
+
+def load_settings(args: argparse.Namespace, choice: config.ConfigChoice | None = None) -> Settings:
+    """The settings of a command: `choice`'s config file (default: --config or $REAME_CONFIG), REAME_*,
+    flags; in config mode (`choice` given) without model.path, the catalog's default model."""
     flags = {
         "generation.max_tokens": args.max_tokens, "generation.temperature": args.temp,
         "generation.seed": args.seed,
@@ -248,7 +268,10 @@ def load_settings(args: argparse.Namespace) -> Settings:
         "server.host": args.host, "server.port": args.port,
         "server.api_key": ",".join(args.api_key) if args.api_key else None, "server.parallel": args.parallel,
     }
-    return from_values(config.load(args.config or os.environ.get("REAME_CONFIG") or None, flags=flags))
+    values = config.load((choice or config.choose_config(args.config, search=False)).path, flags=flags)
+    if choice is not None and not values["model.path"].value:
+        values["model.path"] = config.Value(catalog.DEFAULT_MODEL, DEFAULT_MODEL_ORIGIN)
+    return from_values(values)
 
 
 def print_config(settings: Settings, chosen: assembly.Plan) -> None:
@@ -372,12 +395,23 @@ def stats_line(finish: FinishEvent) -> str:
             f"finish {finish.reason}{note}")
 
 
-def command_config_mode(args: argparse.Namespace, settings: Settings) -> int:
-    if args.prompt is None and not args.serve:
+def command_config_mode(args: argparse.Namespace, settings: Settings, choice: config.ConfigChoice) -> int:
+    """The original's config mode: `--serve`, `--prompt TEXT` (raw, no chat template) or `--print-config`
+    with the config file `choice`; without a config file, the catalog's default model, as `reame run`
+    would serve it."""
+    if args.prompt is None and not args.serve and not args.print_config:
         log.info("nothing to do: pass --prompt TEXT or --serve")
         return EXIT_OK
+    log.info("config: %s", choice.why)
+    if ("model.path", catalog.DEFAULT_MODEL, DEFAULT_MODEL_ORIGIN) in settings.origins:
+        log.info("no config names a model: the catalog's default, %s, as `reame run %s%s` would",
+                 catalog.DEFAULT_MODEL, catalog.DEFAULT_MODEL, " --serve" if args.serve else "")
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
+    if args.print_config:
+        print(f"# config file: {choice.path or 'none'} ({choice.why})")
+        print_config(settings, chosen)
+        return EXIT_OK
     if args.serve:
         from reame.serving import serve_model
         return serve_model(settings, path, entry, chosen)
@@ -503,7 +537,10 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_list()
         if args.command == "pull":
             return command_pull(args)
-        settings = load_settings(args) if args.command in ("run", "warm", "arca") or args.config else None
+        config_mode = args.command is None and (args.serve or args.prompt is not None or args.print_config
+                                                 or args.config)
+        choice = config.choose_config(args.config, search=True) if config_mode else None
+        settings = load_settings(args, choice) if args.command in ("run", "warm", "arca") or config_mode else None
         if settings is not None and not quiet:
             configure_logging(LOG_LEVELS[settings.log_level])
         if args.command == "run":
@@ -512,10 +549,10 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_warm(args, settings)
         if args.command == "arca":
             return command_arca(settings, args.check_aof, args.fix)
-        if args.config:
-            return command_config_mode(args, settings)
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        if choice is not None:
+            return command_config_mode(args, settings, choice)
+        print(hints())
+        return EXIT_OK
     except USER_ERRORS as error:
         print(f"reame: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -343,3 +343,39 @@ def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | No
         if value is not None:
             values[name] = Value(value, "flag")
     return values
+
+
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The config file a command reads (None: none) and how it was found, for the log and --print-config."""
+
+    path: Path | None
+    why: str
+
+
+def config_locations(home: Path) -> tuple[Path, ...]:
+    """Where `reame --serve` and `reame --prompt` look for a config file when none is named, in order:
+    the original Reame's default (config/reame.conf in the working directory) first, then the usual
+    per-directory, per-user and system-wide places."""
+    return (Path("config/reame.conf"), Path("reame.conf"), home / ".config" / "reame" / "reame.conf",
+            Path("/etc/reame/reame.conf"))
+
+
+def choose_config(named: str | None, search: bool, env: Mapping[str, str] | None = None,
+                  home: Path | None = None) -> ConfigChoice:
+    """`--config` if given, else $REAME_CONFIG, else (`search`) the first of `config_locations` that exists.
+    A file named by the flag or the variable must exist (load() says so); a searched one is skipped unless
+    it is a regular file."""
+    environment = os.environ if env is None else env
+    if named:
+        return ConfigChoice(Path(named), f"--config {named}")
+    if environment.get("REAME_CONFIG"):
+        return ConfigChoice(Path(environment["REAME_CONFIG"]), f"REAME_CONFIG={environment['REAME_CONFIG']}")
+    if not search:
+        return ConfigChoice(None, "no config file (none named by --config or REAME_CONFIG)")
+    places = config_locations(Path.home() if home is None else home)
+    shown = [str(place) if place.is_absolute() else f"./{place}" for place in places]
+    for place, name in zip(places, shown):
+        if place.is_file():
+            return ConfigChoice(place, f"found {name}")
+    return ConfigChoice(None, "no config file in " + ", ".join(shown))

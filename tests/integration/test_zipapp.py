@@ -167,3 +167,49 @@ def post(base: str, path: str, body: dict) -> dict:
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
+
+
+def place_model(source: Path, target: Path) -> Path:
+    """`source` at `target` (a hard link where the filesystem allows one, else a copy)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy(source, target)
+    return target
+
+
+CONFIG_PLACES = ("$REAME_CONFIG", "config/reame.conf", "reame.conf", "~/.config/reame/reame.conf", None)
+
+
+@pytest.mark.parametrize("place", CONFIG_PLACES)
+def test_bare_serve_reads_the_first_config_found_else_serves_the_default_model(pyz, tmp_path, smollm2_path, place):
+    """`python reame.pyz --serve` in a directory holding only the file, with an empty HOME: each place of
+    the search serves its config's model (every later place names a model that does not exist, so reading
+    the wrong one fails); with none, the catalog's default model, from where a first run downloads it."""
+    workdir, env = isolated(pyz, tmp_path)
+    home = Path(env["HOME"])
+    paths = {"$REAME_CONFIG": tmp_path / "mine.conf", "config/reame.conf": workdir / "config" / "reame.conf",
+             "reame.conf": workdir / "reame.conf", "~/.config/reame/reame.conf": home / ".config/reame/reame.conf"}
+    for later in CONFIG_PLACES[CONFIG_PLACES.index(place) + 1:]:
+        if later is not None:
+            paths[later].parent.mkdir(parents=True, exist_ok=True)
+            paths[later].write_text(f"[model]\npath = {tmp_path / 'not-this-one.gguf'}\n")
+    flags: tuple[str, ...] = ("--port", "0")
+    if place is None:
+        place_model(smollm2_path, home / ".reame" / "models" / smollm2_path.name)
+        served, said = "smollm2-135m", "the catalog's default, smollm2-135m, as `reame run smollm2-135m --serve`"
+    else:
+        model = place_model(smollm2_path, tmp_path / f"chosen-{CONFIG_PLACES.index(place)}.gguf")
+        paths[place].parent.mkdir(parents=True, exist_ok=True)
+        paths[place].write_text(f"[model]\npath = {model}\nthreads = 2\n[server]\nport = 0\n")
+        if place == "$REAME_CONFIG":
+            env["REAME_CONFIG"] = str(paths[place])
+        served, said, flags = model.stem, "config: " + ("REAME_CONFIG=" if place == "$REAME_CONFIG" else "found "), ()
+    with live_server([sys.executable, *ISOLATED, "reame.pyz", "--serve", *flags], cwd=workdir, env=env) as live:
+        with urllib.request.urlopen(live.base + "/v1/models", timeout=30) as response:
+            assert [entry["id"] for entry in json.loads(response.read())["data"]] == [served]
+        answer = post(live.base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 4})
+        assert answer["usage"]["completion_tokens"] >= 1
+    assert said in "".join(live.log)

@@ -1,10 +1,12 @@
 """CLI input errors: one line on stderr, exit code 2, and no model is loaded."""
 
 import io
+from pathlib import Path
 
 import pytest
 
 from reame import cli
+from reame.config import ConfigChoice
 
 
 def run(argv, capsys):
@@ -27,9 +29,74 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
     assert raised.value.code == 2
 
 
-def test_no_command_prints_help_and_exits_2(capsys):
+def test_bare_reame_prints_its_version_and_where_to_start_and_exits_0_as_the_original_did(capsys):
+    from reame import __version__
     code, out, err = run([], capsys)
-    assert code == 2 and "run" in err and out == ""
+    assert code == 0 and err == ""
+    assert out.startswith(f"reame {__version__} (llama.cpp ") and 'reame run smollm2-135m "prompt"' in out
+    assert "reame --serve" in out and "reame --print-config --serve" in out
+
+
+def test_config_search_order_env_then_the_originals_default_then_user_and_system(tmp_path, monkeypatch):
+    from reame.config import choose_config
+    work, home = tmp_path / "work", tmp_path / "home"
+    (work / "config").mkdir(parents=True)
+    (home / ".config" / "reame").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    user = home / ".config" / "reame" / "reame.conf"
+    empty: dict[str, str] = {}
+    nothing_here = choose_config(None, search=True, env=empty, home=home).path
+    assert nothing_here in (None, Path("/etc/reame/reame.conf"))  # the system-wide one is this machine's
+    user.write_text("")
+    assert choose_config(None, search=True, env=empty, home=home) == ConfigChoice(user, f"found {user}")
+    (work / "reame.conf").write_text("")
+    assert choose_config(None, search=True, env=empty, home=home) == ConfigChoice(Path("reame.conf"),
+                                                                                  "found ./reame.conf")
+    (work / "config" / "reame.conf").mkdir()  # not a file: skipped
+    assert choose_config(None, search=True, env=empty, home=home).path == Path("reame.conf")
+    (work / "config" / "reame.conf").rmdir()
+    (work / "config" / "reame.conf").write_text("")
+    assert choose_config(None, search=True, env=empty, home=home) == ConfigChoice(Path("config/reame.conf"),
+                                                                                  "found ./config/reame.conf")
+    named = {"REAME_CONFIG": "/srv/mine.conf"}
+    assert choose_config(None, search=True, env=named, home=home) == ConfigChoice(
+        Path("/srv/mine.conf"), "REAME_CONFIG=/srv/mine.conf")
+    assert choose_config("other.conf", search=True, env=named, home=home).path == Path("other.conf")
+    assert choose_config(None, search=False, env=empty, home=home).path is None  # `reame run` does not search
+
+
+def test_print_config_serve_says_which_file_and_which_model(tmp_path, capsys, monkeypatch):
+    from tests.unit.test_gguf import GOOD
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(GOOD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("REAME_CONFIG", raising=False)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "reame.conf").write_text(f"[model]\npath = {model}\n[server]\nport = 8099\n")
+    code, out, err = run(["--print-config", "--serve"], capsys)
+    assert code == 0, err
+    assert out.startswith("# config file: config/reame.conf (found ./config/reame.conf)\n")
+    assert f"model.path = {model}  # config/reame.conf:2" in out and "server.port = 8099  # config/reame.conf:4" in out
+    assert "config: found ./config/reame.conf" in err
+
+
+def test_without_a_config_the_default_model_is_named_with_its_reason(tmp_path, capsys, monkeypatch):
+    from reame import assembly
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("REAME_CONFIG", raising=False)
+    monkeypatch.setattr("reame.config.config_locations", lambda home: (Path("config/reame.conf"),))
+    wanted = []
+
+    def resolve_model(name, progress=None):
+        wanted.append(name)
+        raise cli.ConfigError("stop here")
+    monkeypatch.setattr(assembly, "resolve_model", resolve_model)
+    code, _, err = run(["-s"], capsys)
+    assert code == 2 and wanted == ["smollm2-135m"]
+    assert "config: no config file in ./config/reame.conf" in err
+    assert "the catalog's default, smollm2-135m, as `reame run smollm2-135m --serve` would" in err
 
 
 def test_unknown_model_suggests_catalog_names(capsys):
