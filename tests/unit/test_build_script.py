@@ -1,6 +1,7 @@
 """build_zipapp.py fails with one clear line: bad checksum, missing tools, no pip, no network."""
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -234,3 +235,24 @@ def test_the_python_tree_hash_follows_names_and_bytes(tmp_path):
     second = build_zipapp.python_tree_hash(tmp_path)
     (tmp_path / "reame" / "a.py").rename(tmp_path / "reame" / "b.py")
     assert len({first, second, build_zipapp.python_tree_hash(tmp_path)}) == 3
+
+
+def test_the_percentage_of_a_real_aarch64_build_follows_its_steps_where_makes_own_stopped_at_100():
+    """tests/fixtures/build-aarch64-portable.log is the build.log of `python build_zipapp.py` cross-compiling
+    the portable aarch64 library on a fresh cache (paths shortened): make's own percentage said 100% at the
+    tenth of 170 steps; the build's counts every step it planned, in steps of 10 in a log."""
+    lines = (ROOT / "tests" / "fixtures" / "build-aarch64-portable.log").read_text().splitlines()
+    planned = {line.removeprefix("planned ") for line in lines if line.startswith("planned ")}
+    progress = build_zipapp.Progress(planned, started=0.0)
+    shown: list[int] = []
+    makes_full_at = None
+    for line in lines:
+        text = progress.line(line, interactive=False)
+        if text:
+            shown.append(int(re.search(r"compile +(\d+)%", text).group(1)))
+        if makes_full_at is None and line.startswith("[100%]"):
+            makes_full_at = len(progress.done)
+    assert len(planned) == 170 and progress.done == planned
+    assert makes_full_at is not None and makes_full_at <= len(planned) // 10
+    assert shown == sorted(shown) and shown[-1] == 100 and shown.count(100) == 1
+    assert all(later - earlier <= 11 for earlier, later in zip(shown, shown[1:]))
