@@ -121,8 +121,9 @@ KEYS: tuple[Key, ...] = (
         "0 = never", minimum=0),
     Key("arca.client_query_buffer_mb", "float", 32, "most MiB of one client's unparsed input to `reame arca` "
         "(Redis's client-query-buffer-limit); past it the client is refused and closed", minimum=0.01),
-    Key("arca.remote", "str", "", "a serving node's shared store, redis://[:password@]host:port/0 (ARCA or a "
-        "real Redis/Valkey): exact answers (after this node's own), the Palimpsest's corpus; empty = none"),
+    Key("arca.remote", "str", "", "a serving node's shared store (ARCA or a real Redis/Valkey): host[:port] (port "
+        "6420 when omitted) or redis://[:password@]host[:port]/0 (port 6379): exact answers (after this node's "
+        "own), the Palimpsest's corpus; empty = none"),
     Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",
         minimum=0),
     Key("embeddings.context_length", "int", 2048,

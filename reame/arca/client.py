@@ -9,6 +9,7 @@ connection, one lock: calls are a fraction of a millisecond on a local network).
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -23,6 +24,10 @@ log = logging.getLogger("reame.arca")
 TIMEOUT_S = 0.2
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
+
+
+REDIS_PORT = 6379  # a redis:// URL without a port, as Redis's own clients read it
+ARCA_PORT = 6420  # `reame arca`'s port: the original's host[:port] form means an ARCA
 
 
 class StoreDown(Exception):
@@ -41,17 +46,38 @@ class StoreAddress:
     database: int
 
     @staticmethod
-    def parse(url: str) -> StoreAddress:
-        """`redis://[[user]:password@]host[:port][/db]` (port 6379 when omitted, as Redis's own URLs)."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "redis" or not parts.hostname:
-            raise ConfigError(f"arca.remote must look like redis://[:password@]host:port/0, got {url!r}")
+    def parse(text: str) -> StoreAddress:
+        """`redis://[[user]:password@]host[:port][/db]` (port 6379 when omitted, as Redis's own URLs), or the
+        original Reame's `host` / `host:port` / `[ipv6]:port`, which name an ARCA: port 6420 when omitted."""
+        if "://" not in text:
+            return StoreAddress._arca(text)
         try:
-            port = parts.port or 6379
+            parts = urllib.parse.urlsplit(text)
+            if parts.scheme != "redis" or not parts.hostname:
+                raise ValueError("not a redis:// URL with a host")
+        except ValueError:  # urlsplit's own for a broken IPv6 host
+            raise ConfigError(f"arca.remote must be host, host:port or redis://[:password@]host:port/0, "
+                              f"got {text!r}") from None
+        try:
+            port = parts.port or REDIS_PORT
             database = int(parts.path.strip("/") or 0)
         except ValueError:
-            raise ConfigError(f"arca.remote has a bad port or database number: {url!r}") from None
+            raise ConfigError(f"arca.remote has a bad port or database number: {text!r}") from None
         return StoreAddress(parts.hostname, port, urllib.parse.unquote(parts.password or ""), database)
+
+    @staticmethod
+    def _arca(text: str) -> StoreAddress:
+        """`host`, `host:port`, `[ipv6]` or `[ipv6]:port` (a bare IPv6 address has no port)."""
+        host, port = text, str(ARCA_PORT)
+        bracketed = re.fullmatch(r"\[([^\]]*)\](?::(\d+))?", text)
+        if bracketed:
+            host, port = bracketed.group(1), bracketed.group(2) or port
+        elif text.count(":") == 1:
+            host, port = text.split(":")
+        if not host or any(c.isspace() or c in "/@?#[]" for c in host) or not (port.isascii() and port.isdigit()) \
+                or not 0 < int(port) < 65536:
+            raise ConfigError(f"arca.remote must be host, host:port or redis://[:password@]host:port/0, got {text!r}")
+        return StoreAddress(host, int(port), "", 0)
 
 
 class StoreClient:

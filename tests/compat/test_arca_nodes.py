@@ -59,7 +59,9 @@ def hits(base: str) -> float:
 def test_two_nodes_share_answers_and_survive_the_store(native_libraries, smollm2_path, tmp_path, kind):
     with ExitStack() as stack:
         port, store = stack.enter_context(arca(tmp_path / "arca") if kind == "arca" else redis_server(tmp_path))
-        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=f"redis://127.0.0.1:{port}/0",
+        # An ARCA named as the original Reame's configs name it (host:port), a Redis by its URL.
+        remote = f"127.0.0.1:{port}" if kind == "arca" else f"redis://127.0.0.1:{port}/0"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=remote,
                    REAME_CACHE_DIR=str(tmp_path / "kv"), REAME_SPECULATIVE_PALIMPSEST_DIR=str(tmp_path / "pal"))
         command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--ctx", "2048",
                    "--threads", "2"]

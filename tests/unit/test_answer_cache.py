@@ -8,6 +8,7 @@ import pytest
 
 from reame.arca.client import StoreAddress, StoreClient
 from reame.engine import Engine
+from reame.errors import ConfigError
 from tests.fakes.backend import FakeBackend
 from reame.cache.answers import DiskAnswers, RamAnswers
 from reame.server.answers import AnswerCache, SharedAnswers
@@ -17,6 +18,28 @@ from tests.unit.test_server import Live
 
 FINGERPRINT = b"fake-model"
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12, "temperature": 0}
+
+
+@pytest.mark.parametrize("text,address", [
+    ("arca.lan", StoreAddress("arca.lan", 6420, "", 0)),  # the original's form names an ARCA: its port
+    ("10.0.0.5:6421", StoreAddress("10.0.0.5", 6421, "", 0)),
+    ("[::1]", StoreAddress("::1", 6420, "", 0)),
+    ("[fd00::5]:7000", StoreAddress("fd00::5", 7000, "", 0)),
+    ("fd00::5", StoreAddress("fd00::5", 6420, "", 0)),
+    ("redis://cache.lan", StoreAddress("cache.lan", 6379, "", 0)),  # a URL reads as Redis's clients read it
+    ("redis://:s%40cret@10.0.0.5:6380/2", StoreAddress("10.0.0.5", 6380, "s@cret", 2)),
+])
+def test_a_store_is_named_by_host_host_port_or_a_redis_url(text, address):
+    assert StoreAddress.parse(text) == address
+
+
+@pytest.mark.parametrize("text", ["", "host:", "host:0", "host:65536", "host:x", "host:\u0663", "[::1]:", "[::1]x",
+                                  "a b", "user@host:1", "http://host:1", "redis://", "redis://h:x", "redis://h/db",
+                                  "host:1/0"])
+def test_a_bad_store_address_is_one_config_error_line(text):
+    with pytest.raises(ConfigError) as raised:
+        StoreAddress.parse(text)
+    assert "\n" not in str(raised.value) and repr(text) in str(raised.value)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from reame import config, gguf
+from reame.arca.client import StoreAddress
 from reame.cache.store import Snapshot, decode, encode
 from reame.engine import Engine
 from tests.fakes.backend import FakeBackend
@@ -131,6 +133,21 @@ def test_the_config_parser_fails_only_with_a_config_error(text):
             config.load(path, env={})
         except ConfigError as error:
             assert "\n" not in str(error)
+
+
+@FUZZ
+@given(text=st.text(max_size=200) | st.lists(st.sampled_from(["redis://", ":", "[", "]", "@", "/", "host", "::1",
+                                                               "6420", "99999", "%", " ", "x"]),
+                                             max_size=20).map("".join))
+def test_a_store_address_parses_or_fails_with_a_config_error_in_bounded_time(text):
+    started = time.process_time()
+    try:
+        address = StoreAddress.parse(text)
+    except ConfigError as error:
+        assert "\n" not in str(error)
+    else:
+        assert address.host and 0 < address.port < 65536
+    assert time.process_time() - started < 0.05
 
 
 VALID_SNAPSHOT = encode(b"f" * 32, Snapshot((1, 2, 3), b"\x07" * 5000), compress=True)
