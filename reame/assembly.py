@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from reame import autoconfig, catalog, fetch
+from reame.answers import AnswerCache, SharedAnswers
 from reame.cache import PrefixCache
+from reame.cache.answers import AnswerTier, DiskAnswers, RamAnswers
 from reame.engine import Engine
 from reame.model.backend import ModelSettings
 from reame.model.fingerprint import remembered
@@ -149,6 +151,28 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
         log.warning("the prefix cache is off: cannot use its directory %s (%s); set cache.dir to a writable "
                     "directory", options.directory, error.strerror or error)
         return None
+
+
+def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCache | None:
+    """The exact answer cache: RAM (`ram`: a server's, not a one-shot prompt's), then this machine's disk,
+    then the store `arca.remote` names (ARCA or a real Redis) if any; None when cache.answers is off."""
+    options = settings.answers
+    if not options.enabled:
+        log.info("exact answers are not kept (cache.answers = false)")
+        return None
+    tiers: list[AnswerTier] = [RamAnswers(options.ram_budget_bytes)] if ram and options.ram_budget_bytes else []
+    if options.disk_budget_bytes:
+        try:
+            tiers.append(DiskAnswers(options.directory, options.disk_budget_bytes))
+        except OSError as error:
+            log.warning("exact answers are not kept on disk: cannot use %s (%s); set cache.answers_dir to a "
+                        "writable directory", options.directory, error.strerror)
+    if settings.arca.remote:
+        from reame.arca.client import StoreAddress, StoreClient  # only a node with a store loads its client
+        address = StoreAddress.parse(settings.arca.remote)
+        log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
+        tiers.append(SharedAnswers(StoreClient(address), settings.arca.answer_ttl_ms))
+    return AnswerCache(tiers, fingerprint) if tiers else None
 
 
 def progress_stream() -> TextIO | None:

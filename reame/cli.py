@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from reame import __version__, assembly, catalog, config, fetch
+from reame.answers import AnswerCache
 from reame.chat import Conversation, line_reader, repl, stream_answer
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
+from reame.engine.prompt import prompt_tokens
 from reame.model.backend import usable_cores
 from reame.model.llama import LlamaBackend
 from reame.conclave import MAX_ATTEMPTS, convene
@@ -327,7 +329,9 @@ def command_run(args: argparse.Namespace, settings: Settings, startup: Startup) 
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
-        status = answer_once(engine, prompt, settings.generation, args.quiet, best_of)
+        answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False)
+        status = answer_once(engine, prompt, settings.generation, args.quiet, best_of, answers,
+                             "chat" if templated else "completion")
         startup.mark("answered")
         log.debug("%s", startup.line())
         return status
@@ -354,12 +358,28 @@ def answer_grammar(args: argparse.Namespace) -> str | None:
         raise ConfigError(str(error)) from None
 
 
-def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int = 1) -> int:
+def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int = 1,
+                answers: AnswerCache | None = None, shape: str = "completion") -> int:
+    """One answer on stdout. A deterministic one (greedy, or seeded as by default) is looked up in the
+    exact answer cache `answers` first and kept there after; `shape` is what the server would call the
+    request ("chat" for a templated prompt, "completion" for a raw one), so their keys agree."""
     if best_of > 1:
         return elect_answer(engine, prompt, params, quiet, best_of)
-    finish = stream_answer(engine, prompt, params, sys.stdout, sys.stderr)[1]
+    key = None
+    if answers is not None and answers.deterministic(params):
+        key = answers.key(prompt_tokens(engine.backend, GenerationRequest(prompt, params)), params, shape)
+        cached = answers.get(key)
+        if cached is not None:
+            print(cached.text)
+            if not quiet:
+                print(f"answered from the exact answer cache: {cached.completion_tokens} tokens, "
+                      f"finish {cached.finish_reason}", file=sys.stderr)
+            return EXIT_OK
+    text, finish = stream_answer(engine, prompt, params, sys.stdout, sys.stderr)
     if finish.reason == "error":
         raise ModelError(finish.message)
+    if key is not None and answers is not None:
+        answers.put(key, text, finish)
     if not quiet:
         print(stats_line(finish), file=sys.stderr)
     return EXIT_OK
@@ -416,9 +436,10 @@ def command_config_mode(args: argparse.Namespace, settings: Settings, choice: co
         from reame.serving import serve_model
         return serve_model(settings, path, entry, chosen)
     best_of = args.best_of or 1
-    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of)),
-                             settings) as engine:
-        return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of)
+    backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))
+    answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False)
+    with assembly.new_engine(backend, settings) as engine:
+        return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of, answers)
 
 
 def command_warm(args: argparse.Namespace, settings: Settings) -> int:

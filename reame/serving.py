@@ -9,13 +9,10 @@ import logging
 from pathlib import Path
 
 from reame import catalog
-from reame.arca.client import StoreAddress, StoreClient
-from reame.assembly import Plan, model_settings, new_engine
+from reame.assembly import Plan, answer_cache, model_settings, new_engine
 from reame.engine import Engine
 from reame.model.llama import LlamaBackend
 from reame.native import cache_root
-from reame.cache.answers import AnswerTier, DiskAnswers, RamAnswers
-from reame.server.answers import AnswerCache, SharedAnswers
 from reame.server.http import ServerSettings
 from reame.server.serve import serve
 from reame.server.sessions import Sessions
@@ -53,25 +50,4 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
         return new_engine(backend, settings, serving=True).start()
 
     sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)
-    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint()))
-
-
-def answer_cache(settings: Settings, fingerprint: bytes) -> AnswerCache | None:
-    """The exact answer cache: RAM, then this machine's disk, then the store `arca.remote` names (ARCA or
-    a real Redis) if any; None when cache.answers is off."""
-    options = settings.answers
-    if not options.enabled:
-        log.info("exact answers are not kept (cache.answers = false)")
-        return None
-    tiers: list[AnswerTier] = [RamAnswers(options.ram_budget_bytes)] if options.ram_budget_bytes else []
-    if options.disk_budget_bytes:
-        try:
-            tiers.append(DiskAnswers(options.directory, options.disk_budget_bytes))
-        except OSError as error:
-            log.warning("exact answers are kept in RAM only: cannot use %s (%s); set cache.answers_dir to a "
-                        "writable directory", options.directory, error.strerror)
-    if settings.arca.remote:
-        address = StoreAddress.parse(settings.arca.remote)
-        log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
-        tiers.append(SharedAnswers(StoreClient(address), settings.arca.answer_ttl_ms))
-    return AnswerCache(tiers, fingerprint)
+    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint(), ram=True))

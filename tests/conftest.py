@@ -16,6 +16,12 @@ os.environ.setdefault("REAME_CACHE_DIR", tempfile.mkdtemp(prefix="reame-test-kv-
 os.environ.setdefault("REAME_CACHE_ANSWERS_DIR", tempfile.mkdtemp(prefix="reame-test-answers-"))
 
 
+@pytest.fixture(autouse=True)
+def answers_of_its_own(monkeypatch, tmp_path_factory):
+    """Each test its own kept answers: a prompt another test ran is computed, not answered from disk."""
+    monkeypatch.setenv("REAME_CACHE_ANSWERS_DIR", str(tmp_path_factory.mktemp("answers")))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).parts

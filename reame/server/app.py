@@ -11,7 +11,7 @@ from reame.cache import prefix
 from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import openai, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
-from reame.server.answers import AnswerCache
+from reame.answers import AnswerCache
 from reame.server.metrics import Metrics, Sample
 from reame.server.routes import Route, Router
 from reame.server.service import Service, as_http_error

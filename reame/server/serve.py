@@ -16,7 +16,7 @@ from reame.engine import Engine
 from reame.errors import ListenError
 from reame.server.http import ServerSettings
 from reame.server.listener import ReameHTTPServer
-from reame.server.answers import AnswerCache
+from reame.answers import AnswerCache
 from reame.server.metrics import Sample
 from reame.server.app import App
 from reame.server.sessions import Sessions

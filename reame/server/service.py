@@ -10,7 +10,7 @@ from typing import Any
 
 from reame.engine import Engine
 from reame.errors import EngineUnavailable, OverloadedError, RequestError
-from reame.server.answers import AnswerCache
+from reame.answers import AnswerCache
 from reame.server.http import HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import SessionError, Sessions

@@ -101,3 +101,28 @@ def test_grammar_flag_constrains_the_answer(native_libraries, smollm2_path, tmp_
                    "--temp", "0.8", "--seed", "7", "-q")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() in ("yes.", "no.")
+
+
+def test_a_repeated_one_shot_prompt_is_answered_from_disk(native_libraries, smollm2_path):
+    """A shell script's repeat: the second run prints the first answer without generating (greedy here;
+    the default seeded sampling is deterministic too)."""
+    args = ("run", str(smollm2_path), "Name a primary color.", "--temp", "0", "--max-tokens", "12")
+    first, second = reame(*args), reame(*args)
+    assert first.returncode == second.returncode == 0, second.stderr
+    assert "generated" in first.stderr and "answered from the exact answer cache" in second.stderr
+    assert second.stdout == first.stdout and first.stdout.strip()
+
+
+def test_config_mode_shares_answers_through_the_originals_arca_address(native_libraries, smollm2_path, tmp_path):
+    """As the original's shell scripts used it: `reame --config FILE --prompt TEXT` on two machines (each
+    its own disk) with `[arca] remote = host:port`; the second answers from the store."""
+    from tests.arca_thread import arca_thread
+    with arca_thread(tmp_path / "arca") as port:
+        conf = tmp_path / "reame.conf"
+        conf.write_text(f"[model]\npath = {smollm2_path}\nthreads = 2\n[generation]\ntemperature = 0\n"
+                        f"max_tokens = 12\n[arca]\nremote = 127.0.0.1:{port}\n")
+        runs = [reame("--config", str(conf), "--prompt", "The capital of Italy is",
+                      env={"REAME_CACHE_ANSWERS_DIR": str(tmp_path / machine)}) for machine in ("one", "two")]
+    assert [run.returncode for run in runs] == [0, 0], runs[1].stderr
+    assert "generated" in runs[0].stderr and "answered from the exact answer cache" in runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout and runs[0].stdout.strip()

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Every module of Reame a one-shot prompt on a model already on disk may import.
 ALLOWED = frozenset("""
-reame reame.assembly reame.autoconfig reame.cache reame.cache.codec reame.cache.prefix reame.cache.store
+reame reame.answers reame.assembly reame.autoconfig reame.cache reame.cache.answers reame.cache.codec
+reame.cache.prefix reame.cache.store
 reame.catalog reame.chat reame.cli reame.conclave reame.config reame.ctypes_llama reame.ctypes_llama._lib
 reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission reame.engine.embeddings
 reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences reame.engine.slots

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from reame.cache.answers import MAX_VALUE_BYTES, DiskAnswers, RamAnswers
 from reame.engine import FinishEvent, Usage
-from reame.server.answers import AnswerCache, decode
+from reame.answers import AnswerCache, decode
 
 from .test_fuzz import FUZZ
 
