@@ -5,6 +5,7 @@ authentication checked, a StoreError answered as an error reply."""
 from __future__ import annotations
 
 from reame.arca import connection_commands as C
+from reame.arca import corpus_commands as L4
 from reame.arca import key_commands as K
 from reame.arca import stream_commands as S
 from reame.arca.resp import Error, Reply
@@ -27,6 +28,7 @@ COMMANDS = {
     b"PERSIST": (K.cmd_persist, 2), b"SCAN": (K.cmd_scan, -2), b"KEYS": (K.cmd_keys, 2),
     b"XADD": (S.cmd_xadd, -5), b"XRANGE": (S.cmd_xrange, -4), b"XREAD": (S.cmd_xread, -4),
     b"XLEN": (S.cmd_xlen, 2), b"XTRIM": (S.cmd_xtrim, -4), b"XSETID": (S.cmd_xsetid, 3),
+    b"ARCA.OBSERVE": (L4.cmd_arca_observe, 2), b"ARCA.DRAFT": (L4.cmd_arca_draft, 3),
 }
 
 

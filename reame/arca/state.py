@@ -16,6 +16,8 @@ from reame.arca.store import Keyspace
 from reame.arca.aof import AppendOnlyFile
 from reame.arca.types import ArcaSettings, Blocked, Client
 
+CORPUS_PREFIX = b"reame:corpus:"  # the streams of the corpus the nodes share (reame/speculative/corpus.py)
+
 
 class ArcaState:
     def __init__(self, settings: ArcaSettings, command_table: Mapping[bytes, tuple[object, int]]) -> None:
@@ -28,6 +30,7 @@ class ArcaState:
         self.connections_received = 0
         self.aof: AppendOnlyFile | None = None  # None while the log itself is replayed: nothing is appended
         self._stream_added = asyncio.Event()  # set (and replaced) whenever an XADD lands
+        self.corpus_keys: set[bytes] = set()  # corpus streams XADD made (ARCA.DRAFT drops the gone ones)
 
     def log(self, *words: bytes | str | int) -> None:
         """Append a write to the log, as the command that replays it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 
 from reame.arca.resp import OK, Error, Reply
-from reame.arca.state import ArcaState
+from reame.arca.state import CORPUS_PREFIX, ArcaState
 from reame.arca.store import StoreError, Stream, StreamId, fields_size, format_id, integer, now_ms, parse_id
 from reame.arca.types import Blocked, Client
 
@@ -57,6 +57,8 @@ def cmd_xadd(state: ArcaState, client: Client, args: list[bytes]) -> Reply:
         if min_id is not None else ()
     state.log(b"XADD", key, *trim, format_id(stream_id), *pairs)
     state.stream_added()
+    if key.startswith(CORPUS_PREFIX):
+        state.corpus_keys.add(key)
     return format_id(stream_id)
 
 

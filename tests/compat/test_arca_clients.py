@@ -209,3 +209,38 @@ def test_hostile_requests_get_what_redis_server_answers(tmp_path, request_bytes,
             redis.Redis(port=redis_port).config_set("requirepass", "secret")
         theirs = exchange_until_closed_or_quiet(redis_port, request_bytes)
     assert ours == theirs
+
+
+def u32s(*tokens: int) -> bytes:
+    return b"".join(token.to_bytes(4, "little") for token in tokens)
+
+
+def test_the_originals_corpus_commands_with_its_own_client_code(tmp_path):
+    """The original's L4 example, as its users wrote it with redis-py: OBSERVE [10..14], then DRAFT from
+    [10, 11, 12] gives [13, 14]; what was observed is a corpus stream (XRANGE shows it) and survives a
+    restart; the nodes' corpus streams draft too; the original's errors for bad payloads and lengths."""
+    with arca(tmp_path) as (port, _):
+        client = redis.Redis(port=port)
+        assert client.execute_command("ARCA.OBSERVE", u32s(10, 11, 12, 13, 14)) == b"OK"
+        assert client.execute_command("ARCA.DRAFT", u32s(10, 11, 12), "4") == u32s(13, 14)
+        assert client.execute_command("arca.draft", u32s(99, 10, 11, 12), "1") == u32s(13)  # the last 3 count
+        assert client.execute_command("ARCA.DRAFT", u32s(7, 8, 9), "4") is None  # never seen
+        assert client.execute_command("ARCA.DRAFT", u32s(12, 13, 14), "4") is None  # nothing follows
+        assert client.execute_command("ARCA.DRAFT", u32s(11, 12), "4") is None  # fewer than 3 tokens
+        assert client.execute_command("ARCA.OBSERVE", b"") == b"OK"  # accepted, ignored
+        assert client.execute_command("ARCA.OBSERVE", u32s(10, 11, 12, 50, 51)) == b"OK"
+        assert client.execute_command("ARCA.DRAFT", u32s(10, 11, 12), "4") == u32s(50, 51)  # the newest
+        assert [fields[b"tokens"] for _, fields in client.xrange("reame:corpus:original")] == \
+            [u32s(10, 11, 12, 13, 14), u32s(10, 11, 12, 50, 51)]
+        client.xadd("reame:corpus:" + "ab" * 16, {"node": "n1", "tokens": u32s(1, 2, 3, 4, 5, 6)})
+        assert client.execute_command("ARCA.DRAFT", u32s(2, 3, 4), "8") == u32s(5, 6)  # a node's generation
+        for words, error in [(("ARCA.OBSERVE", b"abc"), "token payload must be whole u32s"),
+                             (("ARCA.DRAFT", b"abcde", "4"), "token payload must be whole u32s"),
+                             (("ARCA.DRAFT", u32s(1, 2, 3), "four"), "draft length is not an integer"),
+                             (("ARCA.DRAFT", u32s(1, 2, 3), "0"), "draft length must be positive"),
+                             (("ARCA.DRAFT", u32s(1, 2, 3)), "wrong number of arguments for 'arca.draft'")]:
+            with pytest.raises(redis.ResponseError, match=error):
+                client.execute_command(*words)
+        assert cli(port, "ARCA.OBSERVE", "abc") == "ERR token payload must be whole u32s"
+    with arca(tmp_path) as (port, _):  # after a restart, from the append-only file
+        assert redis.Redis(port=port).execute_command("ARCA.DRAFT", u32s(10, 11, 12), "4") == u32s(50, 51)
