@@ -154,3 +154,10 @@ def test_an_unreadable_key_file_is_a_config_error(tmp_path):
     path = write(tmp_path, f"[server]\napi_key_file = {tmp_path / 'missing'}\n")
     with pytest.raises(ConfigError, match="cannot read server.api_key_file"):
         from_values(config.load(path, env={}))
+
+
+def test_the_originals_arca_remote_names_an_arca_by_host_and_port(tmp_path):
+    from reame.arca.client import StoreAddress
+    for text, port in (("[arca]\nremote = 10.0.0.5:6421\n", 6421), ("[arca]\nremote = 10.0.0.5\n", 6420)):
+        remote = config.load(write(tmp_path, text), env={})["arca.remote"].value
+        assert StoreAddress.parse(remote) == StoreAddress("10.0.0.5", port, "", 0)
