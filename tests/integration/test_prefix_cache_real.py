@@ -75,7 +75,8 @@ def test_a_state_from_another_layout_is_refused_not_restored(native_libraries, s
 
 
 def test_a_second_process_restores_what_the_first_wrote(native_libraries, smollm2_path, tmp_path):
-    env = {"REAME_CACHE_DIR": str(tmp_path)}
+    # The second run computes (no kept answer to print): what it reuses is the first one's prefix.
+    env = {"REAME_CACHE_DIR": str(tmp_path), "REAME_CACHE_ANSWERS": "0"}
     question = f"{DOCUMENT}\nIn one sentence, what does Reame keep on disk?"
     args = ("run", str(smollm2_path), question, "--temp", "0", "--max-tokens", "20", "--threads", "2")
     first = reame(*args, env=env)
