@@ -33,3 +33,22 @@ def test_every_troubleshooting_message_is_printed_by_the_code():
         missing += [f"{message!r}: {fragment!r}" for fragment in fragments if len(fragment) >= 4
                     and fragment not in source]
     assert not missing, "docs/troubleshooting.md quotes messages the code does not print:\n" + "\n".join(missing)
+
+
+# A measured figure: a ratio or range before ×, a time before ms or s, or a score like 22/24.
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:–\d+(?:\.\d+)?)?(?=×| ms\b| s\b)|\d+/\d+")
+
+
+def test_every_figure_of_the_readmes_measured_table_is_traced_in_benchmarks():
+    """README's "Measured" section quotes ranges over runs; BENCHMARKS.md's "Where the README's figures
+    come from" lists each with the runs it spans, so a figure nobody can trace fails here."""
+    readme = (ROOT / "README.md").read_text()
+    measured = readme[readme.index("## Measured"):]
+    measured = measured[:measured.index("\n## ", 1)] if "\n## " in measured[1:] else measured
+    table = [line.split("|")[2:4] for line in measured.splitlines() if line.startswith("| ") and "---" not in line]
+    quoted = [figure for cells in table[1:] for cell in cells for figure in FIGURE.findall(cell)]
+    quoted += FIGURE.findall(measured[measured.index("A batch of 16 rows"):])
+    benchmarks = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    traced = benchmarks[benchmarks.index("## Where the README's figures come from"):]
+    traced = traced[:traced.index("\n## ", 1)]
+    assert len(quoted) >= 20 and [figure for figure in quoted if figure not in traced] == []
