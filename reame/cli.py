@@ -329,7 +329,7 @@ def command_run(args: argparse.Namespace, settings: Settings, startup: Startup) 
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
             prompt = engine.chat_prompt(messages)
-        answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False)
+        answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False) if best_of == 1 else None
         status = answer_once(engine, prompt, settings.generation, args.quiet, best_of, answers,
                              "chat" if templated else "completion")
         startup.mark("answered")
@@ -437,7 +437,7 @@ def command_config_mode(args: argparse.Namespace, settings: Settings, choice: co
         return serve_model(settings, path, entry, chosen)
     best_of = args.best_of or 1
     backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))
-    answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False)
+    answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False) if best_of == 1 else None
     with assembly.new_engine(backend, settings) as engine:
         return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of, answers)
 

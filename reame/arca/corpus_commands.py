@@ -15,7 +15,6 @@ milliseconds of the daemon's one thread at most, however large the corpus grows.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Iterator
 
 from reame.arca.resp import OK, Error, Reply
@@ -74,8 +73,8 @@ def newest_generations(state: ArcaState) -> Iterator[bytes]:
         if stream is None:
             state.corpus_keys.discard(key)  # deleted, expired or evicted
             continue
-        streams.append(zip(reversed(stream.ids), reversed(stream.fields), itertools.repeat(key)))
-    for _, pairs, _ in heapq.merge(*streams, key=lambda entry: entry[0], reverse=True):
+        streams.append(zip(reversed(stream.ids), reversed(stream.fields)))
+    for _, pairs in heapq.merge(*streams, key=lambda entry: entry[0], reverse=True):
         yield packed_tokens(pairs)
 
 
