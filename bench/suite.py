@@ -56,6 +56,8 @@ SUITE = (
           ("--products", "4", "--reps", "1", "--tokens", "96")),
     Bench("batch_numerics", "A row's logits by its batch's size: why a verified greedy answer can differ", (),
           ("--tokens", "96")),
+    Bench("semantic_cache", "The semantic answer cache: paraphrases answered and false hits per threshold", (),
+          ("--model", "all-minilm-l6-v2"), needs=("native",)),
     Bench("workload", "The jobs users run, over two nights: triage, questions over a document, code completion",
           (), ("--concurrency", "1", "--tickets", "16", "--questions", "8", "--steps", "6")),
     Bench("structured", "Structured output and Il Suggeritore vs llama-server's json_schema", (),

@@ -20,7 +20,8 @@ from reame.engine import Engine
 from reame.model.backend import ModelSettings
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
-from reame.errors import ConfigError, ModelFileError
+from reame.errors import ConfigError, ModelFileError, ReameError
+from reame.semantic import SemanticCache, SemanticIndex
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -30,6 +31,7 @@ from reame.speculative.suggeritore import Suggeritore
 log = logging.getLogger("reame")
 
 Plan = dict[str, autoconfig.Choice]
+SERVED_EMBEDDINGS = "served"  # cache.semantic_model: the served model embeds questions itself
 
 
 def resolve_model(name: str, progress: TextIO | None = None) -> tuple[Path, catalog.ModelEntry | None]:
@@ -173,6 +175,38 @@ def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCac
         log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
         tiers.append(SharedAnswers(StoreClient(address), settings.arca.answer_ttl_ms))
     return AnswerCache(tiers, fingerprint) if tiers else None
+
+
+def semantic_cache(settings: Settings, fingerprint: bytes, answers: AnswerCache | None) -> SemanticCache | None:
+    """The semantic answer cache if cache.semantic is on, with its embedding model loaded; None, with a
+    warning, without the exact answer cache it keeps answers in or the model: a cache is a speed-up."""
+    options = settings.semantic
+    if not options.enabled:
+        return None
+    if answers is None:
+        log.warning("the semantic cache is off: it keeps its answers in the exact answer cache, which is off")
+        return None
+    embedder = None
+    identity = fingerprint.hex()
+    if options.model == SERVED_EMBEDDINGS:
+        log.warning("semantic cache: the served model's own embeddings gave wrong answers at every threshold in "
+                    "bench/semantic_cache.py; an embedding model (cache.semantic_model) is safer")
+    else:
+        from reame.embedder import ModelEmbedder
+        try:
+            embedder = ModelEmbedder(resolve_model(options.model, progress_stream())[0])
+        except ReameError as error:
+            log.warning("the semantic cache is off: cannot load its embedding model %s (%s)", options.model, error)
+            return None
+        identity = embedder.identity
+    store = None
+    if settings.arca.remote:
+        from reame.arca.client import StoreAddress, StoreClient
+        store = StoreClient(StoreAddress.parse(settings.arca.remote))
+    log.info("semantic cache: questions within cosine %.2f of an answered one, embedded by %s%s",
+             options.threshold, options.model, ", shared through the store" if store else "")
+    return SemanticCache(SemanticIndex(fingerprint, identity, options.threshold, store, settings.arca.answer_ttl_ms),
+                         embedder)
 
 
 def progress_stream() -> TextIO | None:

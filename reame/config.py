@@ -110,6 +110,13 @@ KEYS: tuple[Key, ...] = (
     Key("cache.answers_ram_mb", "float", 16, "most MiB of recent answers kept in RAM; 0 = none", minimum=0),
     Key("cache.answers_disk_mb", "float", 256, "most MiB of answers in cache.answers_dir (least recently used "
         "go first); 0 = none on disk", minimum=0),
+    Key("cache.semantic", "bool", False, "answer a chat question from the kept answer of an earlier question of "
+        "the same meaning (same conversation around it, same settings); needs cache.answers; off by default: "
+        "docs/caching.md has the study"),
+    Key("cache.semantic_threshold", "float", 0.98, "how similar (cosine) a question must be to a kept one to get its "
+        "answer; the default is the lowest with no false hit in bench/semantic_cache.py", minimum=0, maximum=1),
+    Key("cache.semantic_model", "str", "all-minilm-l6-v2", "the embedding model of the semantic cache (catalog "
+        "name or GGUF path); 'served' = the served model's own embeddings (slower, and measured worse)"),
     Key("arca.host", "str", "127.0.0.1", "address `reame arca` listens on (0.0.0.0 exposes it: set a password)"),
     Key("arca.port", "int", 6420, "TCP port of `reame arca`", minimum=0, maximum=65535),
     Key("arca.dir", "str", "", "`reame arca`'s append-only file directory; empty = $REAME_CACHE/arca"),

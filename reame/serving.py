@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from reame import catalog
-from reame.assembly import Plan, answer_cache, model_settings, new_engine
+from reame.assembly import Plan, answer_cache, model_settings, new_engine, semantic_cache
 from reame.engine import Engine
 from reame.model.llama import LlamaBackend
 from reame.native import cache_root
@@ -50,4 +50,7 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
         return new_engine(backend, settings, serving=True).start()
 
     sessions = Sessions(cache_root() / "sessions" / http.model_id, model.kv_fingerprint(), settings.server.sessions)
-    return serve(http, load_engine, path.name, sessions, answer_cache(settings, model.kv_fingerprint(), ram=True))
+    fingerprint = model.kv_fingerprint()
+    answers = answer_cache(settings, fingerprint, ram=True)
+    return serve(http, load_engine, path.name, sessions, answers,
+                 semantic_cache(settings, fingerprint, answers))

@@ -89,6 +89,14 @@ class AnswerOptions:
 
 
 @dataclass(frozen=True)
+class SemanticOptions:
+    """The semantic answer cache (reame/semantic.py); it keeps answers in the exact cache's tiers."""
+    enabled: bool
+    threshold: float
+    model: str  # a catalog name or path, or "served"
+
+
+@dataclass(frozen=True)
 class SpeculativeOptions:
     enabled: bool
     lookup: bool
@@ -133,6 +141,7 @@ class Settings:
     server: ServerOptions
     cache: CacheOptions
     answers: AnswerOptions
+    semantic: SemanticOptions
     speculative: SpeculativeOptions
     embeddings: EmbeddingOptions
     arca: ArcaOptions
@@ -178,6 +187,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             directory=Path(answers_dir).expanduser() if answers_dir else cache_root() / "answers",
             ram_budget_bytes=int(get("cache.answers_ram_mb") * 2**20),
             disk_budget_bytes=int(get("cache.answers_disk_mb") * 2**20)),
+        semantic=SemanticOptions(get("cache.semantic"), get("cache.semantic_threshold"), get("cache.semantic_model")),
         speculative=SpeculativeOptions(
             enabled=get("speculative.enabled"), lookup=get("speculative.lookup"),
             suggeritore=get("speculative.suggeritore"), palimpsest=get("speculative.palimpsest"),

@@ -106,14 +106,19 @@ class StoreClient:
         reply = self.call(b"XADD", stream, b"MAXLEN", b"~", str(max_length).encode(), b"*", *pairs)
         return reply if isinstance(reply, bytes) else None
 
-    def xread(self, stream: bytes, after: bytes, count: int, block_ms: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
-        """Entries of `stream` after id `after` (waiting up to `block_ms` for one); [] on a timeout or failure."""
-        reply = self.call(b"XREAD", b"COUNT", str(count).encode(), b"BLOCK", str(block_ms).encode(), b"STREAMS",
-                          stream, after, timeout_s=self.timeout_s + block_ms / 1000)
-        if not isinstance(reply, list) or not reply:
+    def xread(self, stream: bytes, after: bytes, count: int,
+              block_ms: int | None) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Entries of `stream` after id `after` (waiting up to `block_ms` for one; None: not waiting); [] on
+        a timeout or failure."""
+        block = [b"BLOCK", str(block_ms).encode()] if block_ms is not None else []
+        reply = self.call(b"XREAD", b"COUNT", str(count).encode(), *block, b"STREAMS", stream, after,
+                          timeout_s=self.timeout_s + (block_ms or 0) / 1000)
+        try:
+            entries = reply[0][1] if isinstance(reply, list) and len(reply[0]) == 2 else []
+            return [(entry[0], dict(zip(entry[1][::2], entry[1][1::2]))) for entry in entries
+                    if isinstance(entry[0], bytes) and isinstance(entry[1], list)]
+        except (TypeError, IndexError, KeyError):  # not a stream reply: a store that is not what it claims
             return []
-        entries = reply[0][1] if isinstance(reply[0], list) and len(reply[0]) == 2 else []
-        return [(entry[0], dict(zip(entry[1][::2], entry[1][1::2]))) for entry in entries]
 
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         """The reply, or None when the store is down (or answered an error)."""

@@ -12,6 +12,7 @@ from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import openai, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.answers import AnswerCache
+from reame.semantic import SemanticCache
 from reame.server.metrics import Metrics, Sample
 from reame.server.routes import Route, Router
 from reame.server.service import Service, as_http_error
@@ -25,8 +26,9 @@ class App(Service):
     """Routes requests to the engine. `engine` is None while the model loads (/health says 503)."""
 
     def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
-                 sessions: Sessions | None = None, answers: AnswerCache | None = None) -> None:
-        super().__init__(settings, metrics, sessions, answers)
+                 sessions: Sessions | None = None, answers: AnswerCache | None = None,
+                 semantic: SemanticCache | None = None) -> None:
+        super().__init__(settings, metrics, sessions, answers, semantic)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
 

@@ -18,20 +18,25 @@ from reame.errors import EngineUnavailable, OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
 from reame.server.answers import AnswerTap, StoredAnswer
 from reame.server.http import Handler, HttpError
+from reame.server.semantic import Lookup, Question, look_up
 from reame.server.service import POLL_S, Service, refusal
 from reame.server.shapes import Choice, Response
-from reame.server.validation import MAX_CHOICES, Fields, answer_cache_allowed, sampling_params, stream_usage
+from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
+                                     semantic_cache_allowed, stream_usage)
 from reame.structured.tools import ToolRequest, tool_parser
 
 
-CACHE_HEADER = "X-Reame-Cache"  # hit, miss; bypass (a request the cache cannot or may not answer); off
+# hit, semantic (a kept answer to a question of the same meaning), miss; bypass (a request the cache
+# cannot or may not answer); off
+CACHE_HEADER = "X-Reame-Cache"
 
 
 def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
              max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
              tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
-             elect_among: int = 1) -> None:
-    """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts."""
+             elect_among: int = 1, question: Question | None = None) -> None:
+    """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts;
+    `question`: the chat's last question, for the semantic cache."""
     n = fields.integer("n", 1, 1, MAX_CHOICES)
     assert n is not None
     if len(prompts) * max(n, elect_among) > MAX_CHOICES:
@@ -66,8 +71,11 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         # One deterministic answer (greedy, or an explicit seed) may have been kept.
         cacheable = app.answers is not None and len(requests) == 1 and session is None and \
             logprobs is None and (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
+        semantic = semantic_cache_allowed(fields) and question is not None and app.semantic is not None
         handler.response_headers[CACHE_HEADER] = "off" if app.answers is None else "bypass"
         answer_key = None
+        similar: Lookup | None = None
+        marks: dict[str, Any] = {}
         try:
             handles = None
             if cacheable:
@@ -75,14 +83,25 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
                 tokens = engine.prompt_tokens(requests[0])
                 requests = [dataclasses.replace(requests[0], prompt=tokens, suffix=None)]
                 answer_key = cache_key(app, tokens, requests[0].params, chat, tools, seed)
-                handles = kept_answer(app, tokens, answer_key, sink)
+                handles = kept_answer(app, tokens, answer_key, sink, "answers")
                 handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
+                if handles is None and semantic:
+                    assert question is not None
+                    similar = look_up(app, engine, handler, question, requests[0].params, shape(chat, tools))
+                if similar is not None and similar.match is not None:
+                    handles = kept_answer(app, tokens, similar.match.question.answer_key, sink, "semantic")
+                elif similar is not None:
+                    app.metrics.add("reame_semantic_misses_total")
+                if similar is not None and similar.match is not None and handles is not None:
+                    handler.response_headers[CACHE_HEADER] = "semantic"
+                    marks = {"cache": "semantic", "similarity": round(similar.match.similarity, 4),
+                             "question": similar.match.question.text}
             if handles is None:
                 handles = engine.submit_together(requests, sink)
         except (RequestError, OverloadedError) as error:
             raise refusal(error, "messages" if chat else "prompt") from None
         if answer_key is not None and not isinstance(handles[0], StoredAnswer):
-            sink = AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish))
+            sink = AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish, similar))
         group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
         prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
@@ -96,9 +115,14 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         else:
             ballot = Ballot(handles, elect_among) if elect_among > 1 else None
             collect_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, release_session,
-                         ballot)
+                         ballot, marks)
     finally:
         release_session()
+
+
+def shape(chat: bool, tools: ToolRequest | None) -> str:
+    """What else the server does with the generated text: part of a cache key."""
+    return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
 
 
 def cache_key(app: Service, tokens: list[int], params: SamplingParams, chat: bool, tools: ToolRequest | None,
@@ -107,15 +131,16 @@ def cache_key(app: Service, tokens: list[int], params: SamplingParams, chat: boo
     assert app.answers is not None
     if seed is None and params.temperature == 0:
         params = dataclasses.replace(params, seed=None)  # greedy: the random seed given to it does not count
-    shape = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
-    return app.answers.key(tokens, params, shape)
+    return app.answers.key(tokens, params, shape(chat, tools))
 
 
-def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue) -> list[StoredAnswer] | None:
-    """The kept answer as the engine's events, or None on a miss (counted either way)."""
+def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
+                cache: str) -> list[StoredAnswer] | None:
+    """The answer kept under `key` as the engine's events, or None on a miss (counted either way, as a
+    lookup of `cache`: answers or semantic)."""
     assert app.answers is not None
     cached = app.answers.get(key)
-    app.metrics.add("reame_answers_hits_total" if cached else "reame_answers_misses_total")
+    app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total")
     if cached is None:
         return None
     sink.put((0, TokenEvent(-1, cached.text)))
@@ -123,10 +148,13 @@ def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQ
     return [StoredAnswer(tokens)]
 
 
-def keep_answer(app: Service, key: bytes, text: str, finish: FinishEvent) -> None:
+def keep_answer(app: Service, key: bytes, text: str, finish: FinishEvent, question: Lookup | None) -> None:
+    """Keep a computed answer; with `question` (the semantic cache looked it up), the question too."""
     assert app.answers is not None
     if app.answers.put(key, text, finish):
         app.metrics.add("reame_answers_stored_total")
+        if question is not None and app.semantic is not None:
+            app.semantic.index.add(question.scope, question.question, question.vector, key)
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
@@ -145,9 +173,10 @@ def echo_text(engine: Engine, prompt: Any) -> str:
 
 def collect_answer(app: Service, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
             choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
-            ballot: Ballot | None = None) -> None:
+            ballot: Ballot | None = None, marks: dict[str, Any] | None = None) -> None:
     """The whole answer once every choice ended; with `ballot`, one elected per prompt among its attempts
-    (each votes as it ends, a prompt's others stop once its majority is certain)."""
+    (each votes as it ends, a prompt's others stop once its majority is certain); `marks`: the answer's
+    `reame` object (where it came from)."""
     for choice, echo in zip(choices, echoes):
         choice.pieces.append(echo)
     remaining = len(handles)
@@ -188,7 +217,10 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
     if failed is not None:
         raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
     if ballot is None:
-        handler.send_json(200, response.whole(choices, prompt_tokens))
+        body = response.whole(choices, prompt_tokens)
+        if marks:
+            body["reame"] = marks
+        handler.send_json(200, body)
         return
     verdicts = ballot.verdicts()
     size = ballot.group

@@ -17,6 +17,7 @@ from reame.errors import ListenError
 from reame.server.http import ServerSettings
 from reame.server.listener import ReameHTTPServer
 from reame.answers import AnswerCache
+from reame.semantic import SemanticCache
 from reame.server.metrics import Sample
 from reame.server.app import App
 from reame.server.sessions import Sessions
@@ -25,9 +26,11 @@ log = logging.getLogger("reame.server")
 
 
 def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str,
-          sessions: Sessions | None = None, answers: AnswerCache | None = None) -> int:
-    """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end."""
-    app = App(settings, sessions=sessions, answers=answers)
+          sessions: Sessions | None = None, answers: AnswerCache | None = None,
+          semantic: SemanticCache | None = None) -> int:
+    """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end, and
+    so is the semantic cache's embedding model."""
+    app = App(settings, sessions=sessions, answers=answers, semantic=semantic)
     try:
         server = ReameHTTPServer(settings, app)
     except OSError as error:
@@ -57,6 +60,8 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
             log.warning("requests still running after the grace period are cancelled")
         if engine is not None:
             engine.close()  # the engine owns its backend: freed once its thread has ended
+        if semantic is not None and semantic.embedder is not None:
+            semantic.embedder.close()
         server.server_close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

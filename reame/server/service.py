@@ -11,6 +11,7 @@ from typing import Any
 from reame.engine import Engine
 from reame.errors import EngineUnavailable, OverloadedError, RequestError
 from reame.answers import AnswerCache
+from reame.semantic import SemanticCache
 from reame.server.http import HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import SessionError, Sessions
@@ -24,12 +25,15 @@ class Service:
     when the model has loaded)."""
 
     def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
-                 sessions: Sessions | None = None, answers: AnswerCache | None = None) -> None:
-        """`answers`: the exact answer cache (None: cache.answers is off)."""
+                 sessions: Sessions | None = None, answers: AnswerCache | None = None,
+                 semantic: SemanticCache | None = None) -> None:
+        """`answers`: the exact answer cache (None: cache.answers is off); `semantic`: the semantic one
+        (None: cache.semantic is off), which keeps its answers in `answers`."""
         self.settings = settings
         self.engine: Engine | None = None
         self.sessions = sessions
         self.answers = answers
+        self.semantic = semantic if answers is not None else None
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
@@ -44,6 +48,10 @@ class Service:
         self.metrics.describe("reame_answers_misses_total", "counter",
                               "deterministic requests looked up in the exact answer cache and not found")
         self.metrics.describe("reame_answers_stored_total", "counter", "answers kept in the exact answer cache")
+        self.metrics.describe("reame_semantic_hits_total", "counter",
+                              "chat questions answered with the kept answer of a question of the same meaning")
+        self.metrics.describe("reame_semantic_misses_total", "counter",
+                              "chat questions looked up in the semantic cache and not found")
         self.metrics.describe("reame_conclave_early_stops_total", "counter",
                               "elections decided by a majority while attempts still ran (those were stopped)")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")

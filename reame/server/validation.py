@@ -105,7 +105,7 @@ def sampling_params(fields: Fields, max_tokens: int | None, seed: int | None) ->
         raise HttpError(400, str(error), param=error.param, code="invalid_value") from None
 
 
-EXTENSION_FIELDS = ("best_of", "cache")
+EXTENSION_FIELDS = ("best_of", "cache", "semantic")
 
 
 def extension(fields: Fields) -> Fields:
@@ -145,6 +145,12 @@ def answer_cache_allowed(fields: Fields) -> bool:
     """False when the request opts out of the exact answer cache, `"reame": {"cache": false}`: it is
     computed afresh, and its answer is not kept."""
     return extension(fields).boolean("cache", True)
+
+
+def semantic_cache_allowed(fields: Fields) -> bool:
+    """False when the request wants an exact answer or none, `"reame": {"semantic": false}`: the semantic
+    cache neither answers it nor keeps its question."""
+    return extension(fields).boolean("semantic", True)
 
 
 def check_model(fields: Fields) -> None:

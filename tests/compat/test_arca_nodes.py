@@ -80,3 +80,39 @@ def test_two_nodes_share_answers_and_survive_the_store(native_libraries, smollm2
             for question in ("Name a small planet.", "Name the largest planet."):
                 answer = post(base, dict(CHAT, messages=[{"role": "user", "content": question}]))
                 assert answer["choices"][0]["message"]["content"]
+
+
+def ask_marked(base: str, question: str) -> tuple[str, dict]:
+    body = {"messages": [{"role": "system", "content": "The shop closes at 16:00 on Saturdays."},
+                         {"role": "user", "content": question}], "max_tokens": 16, "temperature": 0}
+    request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.headers["X-Reame-Cache"], json.loads(response.read())
+
+
+@pytest.mark.parametrize("kind", ["arca", "redis-server"])
+def test_two_nodes_share_the_semantic_caches_questions(native_libraries, smollm2_path, model_path, tmp_path, kind):
+    """The semantic cache's questions are a stream per scope in the store: a question one node answered
+    answers a retyped form of it on the other, which never saw it; any Redis client sees the stream."""
+    minilm = model_path("all-minilm-l6-v2")
+    with ExitStack() as stack:
+        port, store = stack.enter_context(arca(tmp_path / "arca") if kind == "arca" else redis_server(tmp_path))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=f"redis://127.0.0.1:{port}/0",
+                   REAME_CACHE_DIR=str(tmp_path / "kv"), REAME_SPECULATIVE_PALIMPSEST_DIR=str(tmp_path / "pal"),
+                   REAME_CACHE_SEMANTIC="true", REAME_CACHE_SEMANTIC_MODEL=str(minilm))
+        command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--ctx", "2048",
+                   "--threads", "2"]
+        first, second = (stack.enter_context(live_server(command, env=dict(
+            env, REAME_CACHE_ANSWERS_DIR=str(tmp_path / machine)))).base for machine in ("a1", "a2"))
+        said, answered = ask_marked(first, "What time does the shop close on Saturdays?")
+        assert said == "miss"
+        said, hit = ask_marked(second, "what time does the shop close on saturdays")
+        assert said == "semantic" and hit["choices"][0]["message"] == answered["choices"][0]["message"]
+        streams = redis.Redis(port=port).keys("reame:semantic:*")
+        assert len(streams) == 1 and redis.Redis(port=port).xlen(streams[0]) == 1
+        assert 0 < redis.Redis(port=port).pttl(streams[0])  # it expires with the answers it points at
+        store.kill()
+        store.wait(10)
+        said, _ = ask_marked(second, "What time does the shop close on Saturdays, please?")
+        assert said == "miss"  # the store is gone: computed, never a failed request

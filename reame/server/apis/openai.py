@@ -15,6 +15,7 @@ from reame.errors import ModelError
 from reame.server import generation
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
+from reame.server.semantic import chat_question
 from reame.server.service import POLL_S, Service
 from reame.server.validation import (Fields, best_of, chat_messages, check_model, completion_prompts,
                                      embedding_inputs)
@@ -167,12 +168,14 @@ def chat_completions(app: Service, handler: Handler, _path: str) -> None:
         max_tokens = fields.integer("max_tokens", None, 1, None)
     in_template = engine.backend.template_supports_tools
     # The model's template (or role-prefixed lines without one), and the start of a forced tool call.
-    prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
-                                tools.tools if tools and in_template else None)
-    if tools is not None:
-        prompt += tools.prefill
-    generation.generate(app, handler, fields, engine, [prompt], max_tokens, chat=True, echo=False, logprobs=logprobs,
-                  tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True))
+    def render(messages: list[dict[str, Any]]) -> str:
+        prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
+                                    tools.tools if tools and in_template else None)
+        return prompt + (tools.prefill if tools is not None else "")
+    question = chat_question(messages, render) if app.semantic is not None else None
+    generation.generate(app, handler, fields, engine, [render(messages)], max_tokens, chat=True, echo=False,
+                        logprobs=logprobs, tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True),
+                        question=question)
 
 
 def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
