@@ -56,6 +56,8 @@ SUITE = (
           ("--products", "4", "--reps", "1", "--tokens", "96")),
     Bench("batch_numerics", "A row's logits by its batch's size: why a verified greedy answer can differ", (),
           ("--tokens", "96")),
+    Bench("fleet", "The fleet: a document read on one node, asked of another through Redis and a Redis Cluster",
+          (), ("--model", "smollm2-135m", "--tokens", "600", "--reps", "1", "--ctx", "2048"), needs=("native",)),
     Bench("semantic_cache", "The semantic answer cache: paraphrases answered and false hits per threshold", (),
           ("--model", "all-minilm-l6-v2"), needs=("native",)),
     Bench("workload", "The jobs users run, over two nights: triage, questions over a document, code completion",

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from reame import autoconfig, catalog, fetch
 from reame.answers import AnswerCache, SharedAnswers
@@ -21,12 +21,15 @@ from reame.model.backend import ModelSettings
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError, ModelFileError, ReameError
-from reame.semantic import SemanticCache, SemanticIndex
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
 from reame.speculative.suggeritore import Suggeritore
+
+if TYPE_CHECKING:
+    from reame.arca.client import StoreCommands
+    from reame.semantic import SemanticCache
 
 log = logging.getLogger("reame")
 
@@ -101,9 +104,8 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
                                 lambda: vocabulary_hash(backend.token_piece, backend.n_vocab).hex(), digest_bytes)
         palimpsest = Palimpsest(options.palimpsest_directory, vocabulary, options.palimpsest_budget_bytes)
         if serving and settings.arca.remote:
-            from reame.arca.client import StoreAddress  # the store's client: only a node with a store loads it
-            from reame.speculative.corpus import Corpus
-            palimpsest.attach(Corpus(StoreAddress.parse(settings.arca.remote), vocabulary, palimpsest))
+            from reame.speculative.corpus import Corpus  # only a node with a store loads the store's client
+            palimpsest.attach(Corpus(lambda: shared_store(settings), vocabulary, palimpsest))
         sources.append(palimpsest)
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
@@ -145,13 +147,22 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
     options = settings.cache
     if not options.enabled:
         return None
+    remote = None
+    if settings.arca.remote and options.remote:
+        from reame.cache.remote import RemoteKV  # only a node with a store loads the store's client
+        remote = RemoteKV(lambda: shared_store(settings), fingerprint,
+                          options.remote_timeout_s, options.remote_publish_bytes, options.remote_ttl_ms,
+                          options.compress)
+        log.info("KV snapshots are shared through %s", store_description(settings))
     try:
         return PrefixCache(fingerprint, options.directory, disk_budget_bytes=options.disk_budget_bytes,
                            ram_budget_bytes=options.ram_budget_bytes, block_tokens=options.block_tokens,
-                           min_new_tokens=options.min_new_tokens, compress=options.compress)
+                           min_new_tokens=options.min_new_tokens, compress=options.compress, remote=remote)
     except OSError as error:  # a cache is a speed-up: without its directory, serve on without it
         log.warning("the prefix cache is off: cannot use its directory %s (%s); set cache.dir to a writable "
                     "directory", options.directory, error.strerror or error)
+        if remote is not None:
+            remote.close()
         return None
 
 
@@ -170,10 +181,9 @@ def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCac
             log.warning("exact answers are not kept on disk: cannot use %s (%s); set cache.answers_dir to a "
                         "writable directory", options.directory, error.strerror)
     if settings.arca.remote:
-        from reame.arca.client import StoreAddress, StoreClient  # only a node with a store loads its client
-        address = StoreAddress.parse(settings.arca.remote)
-        log.info("exact answers are shared through the store at %s:%d", address.host, address.port)
-        tiers.append(SharedAnswers(StoreClient(address), settings.arca.answer_ttl_ms))
+        store = shared_store(settings)
+        log.info("exact answers are shared through %s", store_description(settings))
+        tiers.append(SharedAnswers(store, settings.arca.answer_ttl_ms))
     return AnswerCache(tiers, fingerprint) if tiers else None
 
 
@@ -183,6 +193,7 @@ def semantic_cache(settings: Settings, fingerprint: bytes, answers: AnswerCache 
     options = settings.semantic
     if not options.enabled:
         return None
+    from reame.semantic import SemanticCache, SemanticIndex  # only a server with the cache on loads it
     if answers is None:
         log.warning("the semantic cache is off: it keeps its answers in the exact answer cache, which is off")
         return None
@@ -199,14 +210,22 @@ def semantic_cache(settings: Settings, fingerprint: bytes, answers: AnswerCache 
             log.warning("the semantic cache is off: cannot load its embedding model %s (%s)", options.model, error)
             return None
         identity = embedder.identity
-    store = None
-    if settings.arca.remote:
-        from reame.arca.client import StoreAddress, StoreClient
-        store = StoreClient(StoreAddress.parse(settings.arca.remote))
+    store = shared_store(settings) if settings.arca.remote else None
     log.info("semantic cache: questions within cosine %.2f of an answered one, embedded by %s%s",
              options.threshold, options.model, ", shared through the store" if store else "")
     return SemanticCache(SemanticIndex(fingerprint, identity, options.threshold, store, settings.arca.answer_ttl_ms),
                          embedder)
+
+
+def shared_store(settings: Settings) -> StoreCommands:
+    """A new client of the store `arca.remote` names (each user of the store has its own connection)."""
+    from reame.arca.stores import connect, parse_remote  # only a node with a store loads its client
+    return connect(parse_remote(settings.arca.remote))
+
+
+def store_description(settings: Settings) -> str:
+    from reame.arca.stores import describe, parse_remote
+    return describe(parse_remote(settings.arca.remote))
 
 
 def progress_stream() -> TextIO | None:

@@ -457,13 +457,16 @@ def command_warm(args: argparse.Namespace, settings: Settings) -> int:
             if args.role == "system" and engine.backend.has_chat_template:
                 prompt = engine.backend.apply_chat_template([{"role": "system", "content": text}],
                                                             add_assistant=False)
-            usage = engine.generate(GenerationRequest(prompt, warm=True)).finish.usage
+            request = GenerationRequest(prompt, warm=True)
+            usage = engine.generate(request).finish.usage
+            # Published to the fleet's store (arca.remote) before the process exits: the engine's close waits.
+            shared = engine.cache is not None and engine.cache.share(engine.prompt_tokens(request))
             if args.json:
                 print(json.dumps({"file": name, "tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-                                  "seconds": round(usage.prompt_seconds, 3)}))
+                                  "seconds": round(usage.prompt_seconds, 3), "shared": shared}))
             else:
                 print(f"{name}: {usage.prompt_tokens} tokens warmed in {usage.prompt_seconds:.2f} s "
-                      f"({usage.cached_tokens} were already cached)")
+                      f"({usage.cached_tokens} were already cached)" + (", shared with the fleet" if shared else ""))
     return EXIT_OK
 
 

@@ -75,6 +75,8 @@ KEYS: tuple[Key, ...] = (
     Key("server.shutdown_grace_seconds", "float", 30, "on SIGTERM/SIGINT, time left to requests in flight",
         minimum=0),
     Key("server.model_id", "str", "", "model id in /v1/models and responses; empty = the model's name"),
+    Key("server.node_name", "str", "", "this node's name in every response's X-Reame-Node header (which node of a "
+        "fleet answered); empty = the host name"),
     Key("server.parallel", "int", 0, "sequences generated together in one batch when serving; 0 = chosen (4)",
         minimum=0),
     Key("server.prefill_chunk_tokens", "int", 128,
@@ -103,6 +105,14 @@ KEYS: tuple[Key, ...] = (
         "snapshot a prompt once at least this many of its tokens had to be prefilled", minimum=1),
     Key("cache.block_tokens", "int", 32, "tokens per block of the prefix index", minimum=1),
     Key("cache.compress", "bool", True, "zstd-compress snapshots when a sample shows that it pays"),
+    Key("cache.remote", "bool", True, "with arca.remote: publish every new prefix-cache snapshot to that store and "
+        "restore one another node published instead of prefilling (the fleet prefills a document once)"),
+    Key("cache.remote_timeout_seconds", "float", 5, "a fetch from the shared store that takes longer is abandoned "
+        "and the prompt prefilled", minimum=0.01),
+    Key("cache.remote_publish_mb", "float", 512, "most MiB of snapshots waiting to be published; more are skipped",
+        minimum=0),
+    Key("cache.remote_ttl_hours", "float", 168, "how long the store keeps a published snapshot; 0 = until its "
+        "memory policy evicts it", minimum=0),
     Key("cache.answers", "bool", True, "answer a deterministic request (greedy, or sampled with a seed) that "
         "was answered before from the kept answer, without the model"),
     Key("cache.answers_dir", "str", "", "directory of the kept answers, shared by processes; "
@@ -129,8 +139,8 @@ KEYS: tuple[Key, ...] = (
     Key("arca.client_query_buffer_mb", "float", 32, "most MiB of one client's unparsed input to `reame arca` "
         "(Redis's client-query-buffer-limit); past it the client is refused and closed", minimum=0.01),
     Key("arca.remote", "str", "", "a serving node's shared store (ARCA or a real Redis/Valkey): host[:port] (port "
-        "6420 when omitted) or redis://[:password@]host[:port]/0 (port 6379): exact answers (after this node's "
-        "own), the Palimpsest's corpus; empty = none"),
+        "6420 when omitted), redis://[:password@]host[:port]/0 (port 6379) or redis+cluster://host1:port1,host2:port2"
+        ": prefix-cache snapshots, exact answers (after this node's own), the Palimpsest's corpus; empty = none"),
     Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",
         minimum=0),
     Key("embeddings.context_length", "int", 2048,

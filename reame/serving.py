@@ -6,6 +6,7 @@ Apart from assembly.py so that a one-shot prompt never imports the HTTP server.
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 from reame import catalog
@@ -29,7 +30,13 @@ def server_settings(settings: Settings, default_model_id: str) -> ServerSettings
         idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
         request_timeout_s=server.request_timeout_s,
         grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
+        node_name=header_safe(server.node_name or socket.gethostname()),
         request_log=server.request_logging, metrics=server.metrics)
+
+
+def header_safe(text: str) -> str:
+    """`text` as a header value can carry it: printable ASCII, at most 64 characters."""
+    return "".join(c for c in text if " " <= c <= "~")[:64]
 
 
 def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:

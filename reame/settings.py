@@ -58,6 +58,7 @@ class ServerOptions:
     request_timeout_s: float
     shutdown_grace_s: float
     model_id: str  # "": the model's name
+    node_name: str  # "": the host name
     parallel: int  # 0: chosen
     prefill_chunk_tokens: int
     max_queue: int
@@ -77,6 +78,10 @@ class CacheOptions:
     min_new_tokens: int
     block_tokens: int
     compress: bool
+    remote: bool  # shared through arca.remote's store, when there is one
+    remote_timeout_s: float
+    remote_publish_bytes: int
+    remote_ttl_ms: int
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             idle_timeout_s=get("server.idle_timeout_seconds"), header_timeout_s=get("server.header_timeout_seconds"),
             request_timeout_s=get("server.request_timeout_seconds"),
             shutdown_grace_s=get("server.shutdown_grace_seconds"), model_id=get("server.model_id"),
+            node_name=get("server.node_name"),
             parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
             max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),
             max_answer_tokens=get("server.max_answer_tokens"),
@@ -181,7 +187,10 @@ def from_values(values: dict[str, Value]) -> Settings:
             directory=Path(cache_dir).expanduser() if cache_dir else cache_root() / "kv",
             disk_budget_bytes=int(get("cache.disk_mb") * 2**20), ram_budget_bytes=int(get("cache.ram_mb") * 2**20),
             min_new_tokens=get("cache.min_new_tokens"), block_tokens=get("cache.block_tokens"),
-            compress=get("cache.compress")),
+            compress=get("cache.compress"), remote=get("cache.remote"),
+            remote_timeout_s=get("cache.remote_timeout_seconds"),
+            remote_publish_bytes=int(get("cache.remote_publish_mb") * 2**20),
+            remote_ttl_ms=int(get("cache.remote_ttl_hours") * 3600 * 1000)),
         answers=AnswerOptions(
             enabled=get("cache.answers"),
             directory=Path(answers_dir).expanduser() if answers_dir else cache_root() / "answers",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -73,3 +74,11 @@ def smollm2_server(smollm2_path: object, key: str, parallel: int) -> Iterator[st
                "--parallel", str(parallel), "--ctx", "2048", "--threads", "2"]
     with live_server(command, env=dict(os.environ, PYTHONPATH=str(root))) as live:
         yield live.base
+
+
+def post_json(base: str, path: str, body: dict, timeout_s: float = 120) -> tuple[dict[str, str], dict]:
+    """POST `body` as JSON to a live server; (response headers, the JSON answer)."""
+    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return dict(response.headers), json.loads(response.read())

@@ -4,6 +4,8 @@ A store is a speed-up, never a dependency: every call has a short timeout, a fai
 marks the store down and answers as if it had nothing (a miss, a write not made),
 and the next try waits a backoff that doubles up to BACKOFF_MAX_S. Thread-safe (one
 connection, one lock: calls are a fraction of a millisecond on a local network).
+A reply is read with bounds (its size, its nesting): a store that sends more is
+treated as down. A Redis Cluster is reame/arca/cluster.py, over one client per node.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ TIMEOUT_S = 0.2
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
+
+MAX_BULK_BYTES = 64 << 20  # a KV chunk is 4 MiB; nothing a node asks for is larger
+MAX_ARRAY_ITEMS = 1 << 20
+MAX_DEPTH = 8  # stream replies nest 4 deep
 
 REDIS_PORT = 6379  # a redis:// URL without a port, as Redis's own clients read it
 ARCA_PORT = 6420  # `reame arca`'s port: the original's host[:port] form means an ARCA
@@ -80,18 +86,13 @@ class StoreAddress:
         return StoreAddress(host, int(port), "", 0)
 
 
-class StoreClient:
-    def __init__(self, address: StoreAddress, timeout_s: float = TIMEOUT_S) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._socket: socket.socket | None = None
-        self._buffer = b""
-        self._down_until = 0.0
-        self._backoff = BACKOFF_START_S
-        self.failures = 0
+class StoreCommands:
+    """The commands nodes use, over `call` (never raising: None when the store is down or refused)."""
 
-    # --- what nodes call (never raise) ---
+    timeout_s: float
+
+    def call(self, *words: bytes, timeout_s: float | None = None) -> object:
+        raise NotImplementedError
 
     def get(self, key: bytes) -> bytes | None:
         reply = self.call(b"GET", key)
@@ -100,6 +101,13 @@ class StoreClient:
     def set(self, key: bytes, value: bytes, ttl_ms: int = 0) -> bool:
         words = [b"SET", key, value] + ([b"PX", str(ttl_ms).encode()] if ttl_ms else [])
         return self.call(*words) == b"OK"
+
+    def mget(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of `keys` (in a cluster, keys of one hash slot), None for each missing one."""
+        reply = self.call(b"MGET", *keys)
+        if not isinstance(reply, list) or len(reply) != len(keys):
+            return [None] * len(keys)
+        return [value if isinstance(value, bytes) else None for value in reply]
 
     def xadd(self, stream: bytes, fields: dict[bytes, bytes], max_length: int) -> bytes | None:
         pairs = [item for pair in fields.items() for item in pair]
@@ -120,16 +128,43 @@ class StoreClient:
         except (TypeError, IndexError, KeyError):  # not a stream reply: a store that is not what it claims
             return []
 
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class StoreClient(StoreCommands):
+    def __init__(self, address: StoreAddress, timeout_s: float = TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._buffer = bytearray()
+        self._down_until = 0.0
+        self._backoff = BACKOFF_START_S
+        self.failures = 0
+
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         """The reply, or None when the store is down (or answered an error)."""
+        reply = self.request(words, timeout_s)
+        if isinstance(reply, ReplyError):
+            log.warning("the store refused %s: %s", words[0].decode(), reply)
+            return None
+        return reply
+
+    def request(self, words: tuple[bytes, ...], timeout_s: float | None = None, asking: bool = False) -> object:
+        """The reply, a ReplyError the store answered (a cluster's redirections among them), or None when
+        the store is down. `asking`: send Redis Cluster's ASKING first, on the same connection."""
         if time.monotonic() < self._down_until:
             return None
         with self._lock:
             try:
-                return self._call(words, timeout_s or self.timeout_s)
+                if self._socket is None:
+                    self._connect()
+                if asking:
+                    self._request([b"ASKING"], timeout_s or self.timeout_s)
+                return self._request(list(words), timeout_s or self.timeout_s)
             except ReplyError as error:
-                log.warning("the store refused %s: %s", words[0].decode(), error)
-                return None
+                return error
             except (OSError, StoreDown) as error:
                 self._fail(error)
                 return None
@@ -152,12 +187,12 @@ class StoreClient:
     def _disconnect(self) -> None:
         if self._socket is not None:
             self._socket.close()
-        self._socket, self._buffer = None, b""
+        self._socket, self._buffer = None, bytearray()
 
     def _connect(self) -> None:
         sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._socket, self._buffer = sock, b""
+        self._socket, self._buffer = sock, bytearray()
         if self.address.password:
             self._request([b"AUTH", self.address.password.encode()], self.timeout_s)
         if self.address.database:
@@ -166,52 +201,65 @@ class StoreClient:
             log.info("the store at %s:%d is back", self.address.host, self.address.port)
         self._backoff = BACKOFF_START_S
 
-    def _call(self, words: tuple[bytes, ...], timeout_s: float) -> object:
-        if self._socket is None:
-            self._connect()
-        return self._request(list(words), timeout_s)
-
     def _request(self, words: list[bytes], timeout_s: float) -> object:
         assert self._socket is not None
         self._socket.settimeout(timeout_s)
         self._socket.sendall(command_bytes(*words))
         return self._reply()
 
-    def _reply(self) -> object:
+    def _reply(self, depth: int = 0) -> object:
         line = self._line()
-        kind, rest = line[:1], line[1:]
+        kind, rest = line[:1], bytes(line[1:])
         if kind == b"+":
             return rest
         if kind == b"-":
             raise ReplyError(rest.decode("utf-8", "replace"))
         if kind == b":":
-            return int(rest)
+            return self._number(rest)
         if kind == b"$":
-            length = int(rest)
+            length = self._number(rest)
             if length < 0:
                 return None
-            data = self._exactly(length + 2)
-            return data[:-2]
+            if length > MAX_BULK_BYTES:
+                raise StoreDown(f"a value of {length} bytes")
+            return self._exactly(length + 2)[:-2]
         if kind == b"*":
-            count = int(rest)
-            return None if count < 0 else [self._reply() for _ in range(count)]
-        raise StoreDown(f"unexpected reply {line[:20]!r}")
+            count = self._number(rest)
+            if count > MAX_ARRAY_ITEMS or depth >= MAX_DEPTH:
+                raise StoreDown("an array too large or too deep")
+            return None if count < 0 else [self._reply(depth + 1) for _ in range(count)]
+        raise StoreDown(f"unexpected reply {bytes(line[:20])!r}")
 
-    def _line(self) -> bytes:
-        while b"\r\n" not in self._buffer:
+    @staticmethod
+    def _number(text: bytes) -> int:
+        if not 0 < len(text) <= 20:
+            raise StoreDown("a malformed number")
+        try:
+            return int(text)
+        except ValueError:
+            raise StoreDown("a malformed number") from None
+
+    def _line(self) -> bytearray:
+        while True:
+            end = self._buffer.find(b"\r\n")
+            if end >= 0:
+                line = self._buffer[:end]
+                del self._buffer[:end + 2]
+                return line
+            if len(self._buffer) > 64 << 10:
+                raise StoreDown("a line without an end")
             self._more()
-        line, self._buffer = self._buffer.split(b"\r\n", 1)
-        return line
 
     def _exactly(self, size: int) -> bytes:
         while len(self._buffer) < size:
-            self._more()
-        data, self._buffer = self._buffer[:size], self._buffer[size:]
+            self._more(size - len(self._buffer))
+        data = bytes(self._buffer[:size])
+        del self._buffer[:size]
         return data
 
-    def _more(self) -> None:
+    def _more(self, wanted: int = 0) -> None:
         assert self._socket is not None
-        chunk = self._socket.recv(65536)
+        chunk = self._socket.recv(max(65536, min(wanted, 4 << 20)))
         if not chunk:
             raise StoreDown("the store closed the connection")
         self._buffer += chunk

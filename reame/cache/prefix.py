@@ -14,7 +14,9 @@ Storage stays linear in what was prompted: a snapshot whose tokens are a
 prefix of a newer one is dropped (the newer one covers it), and a prefix of
 an existing snapshot is never stored. Snapshots live in a RAM tier
 (uncompressed, LRU under its own byte budget) in front of the disk tier
-(`store.DiskStore`); disk writes happen on a writer thread.
+(`store.DiskStore`); disk writes happen on a writer thread. With a shared
+store (`remote.RemoteKV`), every new snapshot is also published to it, and a
+prompt this node holds little of is looked up there before it is prefilled.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reame.cache.store import DiskStore, Snapshot
 from reame.files import pack_tokens
+
+if TYPE_CHECKING:  # a node without a store never loads the store's client
+    from reame.cache.remote import RemoteKV
 
 log = logging.getLogger("reame.cache")
 
@@ -90,8 +96,10 @@ class PrefixCache:
 
     def __init__(self, fingerprint: bytes, directory: Path | None = None, disk_budget_bytes: int = 2 << 30,
                  ram_budget_bytes: int = 256 << 20, block_tokens: int = 32, min_new_tokens: int = 64,
-                 compress: bool = True) -> None:
+                 compress: bool = True, remote: RemoteKV | None = None) -> None:
+        """`remote`: the fleet's shared tier, which the cache then owns (closes)."""
         self.fingerprint = fingerprint
+        self.remote = remote
         self.block_tokens = max(1, block_tokens)
         self.min_new_tokens = max(self.block_tokens, min_new_tokens)
         self.ram_budget_bytes = ram_budget_bytes
@@ -123,19 +131,45 @@ class PrefixCache:
         keys = block_keys(self.fingerprint, tokens, self.block_tokens)
         if not keys or len(tokens) <= better_than:
             return None
+        ranked = self._ranked(tokens, keys)
+        local, held, as_good = None, better_than, False
+        for shared, name in ranked:
+            if shared <= better_than:
+                as_good = True  # what the engine already holds is as good: neither a hit nor a miss
+                break
+            local = self._fetch(name)
+            if local is not None:
+                held = shared
+                break
+        if self.remote is not None and len(tokens) - held >= self.min_new_tokens:
+            fetched = self._from_remote(keys, tokens, held)
+            if fetched is not None:
+                local = fetched
+        if local is not None:
+            self._add("hits", 1)
+        elif not as_good:
+            self._add("misses", 1)
+        return local
+
+    def _ranked(self, tokens: Sequence[int], keys: list[bytes]) -> list[tuple[int, str]]:
+        """The snapshots under the deepest of `keys` any has, longest common prefix with `tokens` first."""
         with self._lock:
             self._refresh_disk()
             candidates = next((self._by_block[key] for key in reversed(keys) if key in self._by_block), set())
-            ranked = sorted(((common_prefix(self._known[name], tokens), name) for name in candidates), reverse=True)
-        for shared, name in ranked:
-            if shared <= better_than:
-                return None  # what the engine already holds is as good: neither a hit nor a miss
-            snapshot = self._fetch(name)
-            if snapshot is not None:
-                self._add("hits", 1)
-                return snapshot
-        self._add("misses", 1)
-        return None
+            return sorted(((common_prefix(self._known[name], tokens), name) for name in candidates), reverse=True)
+
+    def _from_remote(self, keys: list[bytes], tokens: Sequence[int], held: int) -> Snapshot | None:
+        """The shared store's snapshot of this prompt if it holds min_new_tokens more than `held`; it is kept
+        here too (RAM, disk), not published again."""
+        assert self.remote is not None
+        found = self.remote.deepest(keys)
+        if found is None or found[0] * self.block_tokens < held + self.min_new_tokens:
+            self.remote.missed()
+            return None
+        snapshot = self.remote.fetch(found[1], tokens, held)
+        if snapshot is not None:
+            self._keep(snapshot, publish=False)
+        return snapshot
 
     def restored(self, tokens_reused: int) -> None:
         """The engine put a looked-up snapshot to use and kept this many of its tokens."""
@@ -160,7 +194,23 @@ class PrefixCache:
         return any(_is_prefix(tokens, self._known[other]) for other in related)
 
     def offer(self, snapshot: Snapshot) -> bool:
-        """Keep a new snapshot unless one already covers it; drop those it covers. True if kept."""
+        """Keep a new snapshot unless one already covers it; drop those it covers. True if kept (and then
+        published to the shared store, if any)."""
+        return self._keep(snapshot, publish=True)
+
+    def share(self, tokens: Sequence[int]) -> bool:
+        """Publish the snapshot covering `tokens` to the shared store (`reame warm`, POST /v1/warm: a
+        document warmed on one node is warm for every node); False without a store or such a snapshot."""
+        if self.remote is None:
+            return False
+        ranked = self._ranked(tokens, block_keys(self.fingerprint, tokens, self.block_tokens))
+        snapshot = next((found for found in (self._fetch(name) for _, name in ranked) if found is not None), None)
+        if snapshot is None:
+            return False
+        name = snapshot_name(self.fingerprint, snapshot.tokens)
+        return self.remote.publish(name, snapshot, block_keys(self.fingerprint, snapshot.tokens, self.block_tokens))
+
+    def _keep(self, snapshot: Snapshot, publish: bool) -> bool:
         tokens = snapshot.tokens
         name = snapshot_name(self.fingerprint, tokens)
         keys = block_keys(self.fingerprint, tokens, self.block_tokens)
@@ -177,12 +227,17 @@ class PrefixCache:
             self._keep_in_ram(name, snapshot)
         self._add("snapshots_stored", 1)
         self._queue_write(name, snapshot)
+        if publish and self.remote is not None:
+            self.remote.publish(name, snapshot, keys)
         return True
 
     def follow(self, engine_idle: threading.Event) -> None:
         """The engine's event that is set while it decodes nothing: the disk writer waits for it between
-        slices (up to MAX_WRITE_DEFERRAL_S per snapshot), so writes use the gaps between requests."""
+        slices (up to MAX_WRITE_DEFERRAL_S per snapshot), so writes use the gaps between requests; so does
+        the publisher of the shared store."""
         self._engine_idle = engine_idle
+        if self.remote is not None:
+            self.remote.engine_idle = engine_idle
 
     def wait_verified(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until the newest snapshot files found at start, as many as the RAM
@@ -198,12 +253,19 @@ class PrefixCache:
             counts.update(snapshots=len(self._known), ram_bytes=self._ram_bytes)
         return counts
 
+    def remote_stats(self) -> dict[str, int]:
+        """The shared store's counters (remote.STATS), empty without one."""
+        return self.remote.stats() if self.remote is not None else {}
+
     def close(self) -> None:
-        """Finish pending disk writes, then stop the writer."""
+        """Finish pending disk writes and publications, then stop the writer and the publisher."""
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join()
             self._writer = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     # --- internals -----------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import logging
 import time
 from importlib import resources
 
-from reame.cache import prefix
+from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import openai, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
@@ -35,10 +35,13 @@ class App(Service):
     def cache_samples(self) -> list[Sample]:
         cache = self.engine.cache if self.engine is not None else None
         stats = cache.stats() if cache is not None else dict.fromkeys({**prefix.STATS, **prefix.GAUGES}, 0)
+        shared = cache.remote_stats() if cache is not None else {}
         return [Sample(f"reame_prefix_cache_{name}_total", "counter", text, {}, stats[name])
                 for name, text in prefix.STATS.items()] + \
             [Sample(f"reame_prefix_cache_{name}", "gauge", text, {}, stats[name])
-             for name, text in prefix.GAUGES.items()]
+             for name, text in prefix.GAUGES.items()] + \
+            [Sample(f"reame_kv_remote_{name}_total", "counter", text, {}, shared[name])
+             for name, text in remote.STATS.items() if shared]
 
     def speculation_samples(self) -> list[Sample]:
         speculation = self.engine.speculation if self.engine is not None else None

@@ -65,6 +65,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
     request_timeout_s: float = 60.0  # the whole request, from its first byte
     model_id: str = "reame"
+    node_name: str = ""  # every response's X-Reame-Node ("": none)
     grace_s: float = 30.0
     request_log: bool = True
     metrics: bool = True  # serve GET /metrics
@@ -385,6 +386,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_response(self, code: int, message: str | None = None) -> None:
         self.response_started = True
         super().send_response(code, message)
+        if self.server.settings.node_name:  # which node of a fleet answered, behind a balancer
+            self.send_header("X-Reame-Node", self.server.settings.node_name)
 
     def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)

@@ -14,9 +14,9 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from reame.arca.client import StoreAddress, StoreClient
+from reame.arca.client import StoreCommands
 from reame.files import pack_tokens, unpack_tokens
 from reame.speculative.palimpsest import Palimpsest
 
@@ -29,14 +29,15 @@ MAX_QUEUED = 1000  # generations waiting to be sent; more are dropped (drafts ar
 
 
 class Corpus:
-    def __init__(self, address: StoreAddress, vocabulary: bytes, palimpsest: Palimpsest) -> None:
+    def __init__(self, connect: Callable[[], StoreCommands], vocabulary: bytes, palimpsest: Palimpsest) -> None:
+        """`connect`: a new client of the shared store (the publisher and the reader each have one)."""
         self.stream = b"reame:corpus:" + vocabulary.hex()[:32].encode()
         self.node = uuid.uuid4().hex[:16].encode()
         self.palimpsest = palimpsest
         self.sent = self.absorbed = 0
         self._outbox: queue.Queue[list[int] | None] = queue.Queue(MAX_QUEUED)
         self._stop = threading.Event()
-        self._publisher_store, self._reader_store = StoreClient(address), StoreClient(address)
+        self._publisher_store, self._reader_store = connect(), connect()
         self._threads = [threading.Thread(target=self._publish, name="reame-corpus-out", daemon=True),
                          threading.Thread(target=self._read, name="reame-corpus-in", daemon=True)]
         palimpsest.listener = self.offer

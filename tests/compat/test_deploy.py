@@ -11,8 +11,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.live_server import free_port
 from tests.live_server import smollm2_server as serve_smollm2
+from tests.nginx import nginx
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,29 +35,10 @@ def proxied(native_libraries, smollm2_path, tmp_path_factory):
         upstream = base.rsplit(":", 1)[1]
         proxy = (ROOT / "deploy" / "reame-proxy.conf").read_text().replace("127.0.0.1:8080", f"127.0.0.1:{upstream}")
         (work / "reame-proxy.conf").write_text(proxy)
-        zones = "\n".join(line for line in (ROOT / "deploy" / "nginx-reame.conf").read_text().splitlines()
-                          if line.startswith(("limit_conn_zone", "limit_req_zone")))
-        port = free_port()
-        (work / "nginx.conf").write_text(f"""user root; daemon off; pid {work}/nginx.pid;
-error_log {work}/error.log;
-events {{}}
-http {{
-    access_log off;
-    client_body_temp_path {work}/body; proxy_temp_path {work}/proxy; fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi; scgi_temp_path {work}/scgi;
-    {zones}
-    server {{ listen 127.0.0.1:{port}; include {work}/reame-proxy.conf; }}
-}}
-""")
-        executable = shutil.which("nginx") or "/usr/sbin/nginx"  # sbin: not on every PATH
-        nginx = subprocess.Popen([executable, "-p", str(work), "-c", str(work / "nginx.conf")])
-        front = f"http://127.0.0.1:{port}"
-        try:
+        with nginx(work, f"server {{ listen 127.0.0.1:{{port}}; include {work}/reame-proxy.conf; }}") as port:
+            front = f"http://127.0.0.1:{port}"
             wait_until(lambda: _answers(front))
             yield front, base
-        finally:
-            nginx.terminate()
-            nginx.wait(30)
 
 
 def _answers(base: str) -> bool:

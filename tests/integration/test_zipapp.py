@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import build_zipapp  # noqa: E402
 from reame.cache.store import HEADER  # noqa: E402
 from reame.native import machine, python_tag  # noqa: E402
-from tests.live_server import live_server  # noqa: E402
+from tests.live_server import live_server, post_json  # noqa: E402
 
 ISOLATED = ("-I", "-S")
 CODEC = struct.Struct("<I")
@@ -163,10 +163,7 @@ def test_under_a_python_without_zstandard_it_serves_caches_raw_and_saves_session
 
 
 def post(base: str, path: str, body: dict) -> dict:
-    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    return post_json(base, path, body)[1]
 
 
 def place_model(source: Path, target: Path) -> Path:

@@ -1,6 +1,8 @@
 """The shared corpus: one node's Palimpsest records reach another's through ARCA (an XADD stream)."""
 
-from reame.arca.client import StoreAddress
+from functools import partial
+
+from reame.arca.client import StoreAddress, StoreClient
 from reame.speculative.corpus import Corpus
 from reame.speculative.palimpsest import Palimpsest
 from tests.arca_thread import arca_thread
@@ -18,7 +20,7 @@ def palimpsest(directory, vocabulary=VOCABULARY):
 
 def test_a_generation_recorded_on_one_node_drafts_on_another(tmp_path):
     with arca_thread(tmp_path / "arca") as port:
-        address = StoreAddress("127.0.0.1", port, "", 0)
+        address = partial(StoreClient, StoreAddress("127.0.0.1", port, "", 0))
         first, second = palimpsest(tmp_path / "a"), palimpsest(tmp_path / "b")
         first.attach(Corpus(address, VOCABULARY, first))
         link = Corpus(address, VOCABULARY, second)
@@ -44,7 +46,7 @@ def test_a_generation_recorded_on_one_node_drafts_on_another(tmp_path):
 
 def test_another_tokenizer_never_reads_these_tokens(tmp_path):
     with arca_thread(tmp_path / "arca") as port:
-        address = StoreAddress("127.0.0.1", port, "", 0)
+        address = partial(StoreClient, StoreAddress("127.0.0.1", port, "", 0))
         first, other = palimpsest(tmp_path / "a"), palimpsest(tmp_path / "b", bytes(32))
         first_link, other_link = Corpus(address, VOCABULARY, first), Corpus(address, bytes(32), other)
         first.attach(first_link)

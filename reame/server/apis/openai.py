@@ -67,8 +67,10 @@ def warm(app: Service, handler: Handler, _path: str) -> None:
         raise HttpError(503 if finish.reason == "timeout" else 500, finish.message or f"warming {finish.reason}",
                         "server_error", "warm_failed")
     usage = finish.usage
+    shared = engine.cache.share(handle.prompt_tokens)  # a fleet's store then holds it for every node
     handler.send_json(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
-                            "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3)})
+                            "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3),
+                            "shared": shared})
 
 
 def tokenize(app: Service, handler: Handler, _path: str) -> None:
