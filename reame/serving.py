@@ -22,7 +22,7 @@ from reame.settings import Settings
 log = logging.getLogger("reame")
 
 
-def server_settings(settings: Settings, default_model_id: str) -> ServerSettings:
+def server_settings(settings: Settings, default_model_id: str, model_path: str = "") -> ServerSettings:
     server = settings.server
     return ServerSettings(
         host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
@@ -30,7 +30,7 @@ def server_settings(settings: Settings, default_model_id: str) -> ServerSettings
         idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
         request_timeout_s=server.request_timeout_s,
         grace_s=server.shutdown_grace_s, model_id=server.model_id or default_model_id,
-        node_name=header_safe(server.node_name or socket.gethostname()),
+        node_name=header_safe(server.node_name or socket.gethostname()), model_path=model_path,
         request_log=server.request_logging, metrics=server.metrics)
 
 
@@ -41,7 +41,7 @@ def header_safe(text: str) -> str:
 
 def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
     """Listen, load the model, serve until a signal (server/serve.py)."""
-    http = server_settings(settings, entry.name if entry else path.stem)
+    http = server_settings(settings, entry.name if entry else path.stem, str(path))
     n_seq = chosen["server.parallel"].value
     model = model_settings(path, settings, chosen, n_seq)
 

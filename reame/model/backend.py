@@ -113,6 +113,9 @@ class Backend(Protocol):
 
     def kv_fingerprint(self) -> bytes:
         """Names what a state blob depends on; the prefix cache and saved sessions are keyed by it."""
+    def describe(self) -> dict[str, object]:
+        """Facts about the model: description ("llama 135M Q4_1"), architecture, parameters, size_bytes,
+        n_ctx_train, n_vocab, n_ctx, n_threads, chat_template."""
     def warm_up(self) -> None:
         """Get the first request's one-time costs out of the way (called on the engine thread)."""
     def close(self) -> None: ...

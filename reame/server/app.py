@@ -9,7 +9,7 @@ from importlib import resources
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import openai, sessions
+from reame.server.apis import ollama, openai, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
@@ -90,19 +90,19 @@ class App(Service):
             route.handler(self, handler, path)
         except (HttpError, SessionError, EngineUnavailable, RequestError) as error:
             handler.discard_body()  # before answering: the client may still be sending it
-            handler.send_error_json(as_http_error(error))
+            answer_error(handler, route, as_http_error(error))
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True
         except RecursionError:  # input nested deeper than a check below foresaw: the input's fault, not a bug
             handler.close_connection = True
             if not handler.response_started:
-                handler.send_error_json(HttpError(400, "the request is nested too deeply", code="invalid_value"))
+                answer_error(handler, route, HttpError(400, "the request is nested too deeply", code="invalid_value"))
         except Exception:  # a bug: the client gets a 500 in OpenAI's shape, the log the traceback, once
             log.exception("unexpected error answering %s %s", handler.command, path)
             handler.close_connection = True
             if not handler.response_started:
-                handler.send_error_json(HttpError(500, "internal server error (see the server log)", "server_error",
-                                                  "internal_error"))
+                answer_error(handler, route, HttpError(500, "internal server error (see the server log)",
+                                                       "server_error", "internal_error"))
 
     def health(self, handler: Handler, _path: str = "/health") -> None:
         """Liveness, and whether the other endpoints need a key (the web page asks for one only then)."""
@@ -135,6 +135,14 @@ class App(Service):
 
 
 
+def answer_error(handler: Handler, route: Route | None, error: HttpError) -> None:
+    """The error in the shape of the route's API family (OpenAI's unless the route says otherwise)."""
+    if route is not None and route.error_body is not None:
+        handler.send_json(error.status, route.error_body(error), error.headers)
+    else:
+        handler.send_error_json(error)
+
+
 ROUTER = Router([
     Route("/health", ("GET", "HEAD"), App.health, public=True),
     Route("/", ("GET", "HEAD"), App.web_page, public=True),
@@ -142,5 +150,6 @@ ROUTER = Router([
     Route("/metrics", ("GET",), App.metrics_text),
     Route("/stats", ("GET",), App.stats),
     *openai.ROUTES,
+    *ollama.ROUTES,
     *sessions.ROUTES,
 ])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+from dataclasses import dataclass
 import random
 import time
 from collections.abc import Callable
@@ -69,39 +70,14 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
                     for prompt_index, prompt in enumerate(prompts)
                     for params in attempt_params(base, seed, prompt_index, n, elect_among)]
         # One deterministic answer (greedy, or an explicit seed) may have been kept.
-        cacheable = app.answers is not None and len(requests) == 1 and session is None and \
-            logprobs is None and (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
-        semantic = semantic_cache_allowed(fields) and question is not None and app.semantic is not None
-        handler.response_headers[CACHE_HEADER] = "off" if app.answers is None else "bypass"
-        answer_key = None
-        similar: Lookup | None = None
-        marks: dict[str, Any] = {}
+        cacheable = len(requests) == 1 and session is None and logprobs is None and \
+            (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
         try:
-            handles = None
-            if cacheable:
-                # Tokenized once: the key is over the tokens, and the engine gets them as they are.
-                tokens = engine.prompt_tokens(requests[0])
-                requests = [dataclasses.replace(requests[0], prompt=tokens, suffix=None)]
-                answer_key = cache_key(app, tokens, requests[0].params, chat, tools, seed)
-                handles = kept_answer(app, tokens, answer_key, sink, "answers")
-                handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
-                if handles is None and semantic:
-                    assert question is not None
-                    similar = look_up(app, engine, handler, question, requests[0].params, shape(chat, tools))
-                if similar is not None and similar.match is not None:
-                    handles = kept_answer(app, tokens, similar.match.question.answer_key, sink, "semantic")
-                elif similar is not None:
-                    app.metrics.add("reame_semantic_misses_total")
-                if similar is not None and similar.match is not None and handles is not None:
-                    handler.response_headers[CACHE_HEADER] = "semantic"
-                    marks = {"cache": "semantic", "similarity": round(similar.match.similarity, 4),
-                             "question": similar.match.question.text}
-            if handles is None:
-                handles = engine.submit_together(requests, sink)
+            submitted = submit(app, handler, engine, requests, sink, cacheable, shape(chat, tools),
+                               question if semantic_cache_allowed(fields) else None)
         except (RequestError, OverloadedError) as error:
             raise refusal(error, "messages" if chat else "prompt") from None
-        if answer_key is not None and not isinstance(handles[0], StoredAnswer):
-            sink = AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish, similar))
+        handles, sink, marks = submitted.handles, submitted.events, submitted.marks
         group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
         prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
@@ -120,18 +96,48 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         release_session()
 
 
+@dataclass
+class Submitted:
+    handles: list  # the engine's handles, or one StoredAnswer
+    events: Any  # where their events arrive (the sink, or a tap that keeps the answer when it ends)
+    marks: dict[str, Any]  # the answer's `reame` object: where it came from (empty: computed)
+
+
+def submit(app: Service, handler: Handler, engine: Engine, requests: list[GenerationRequest],
+           sink: queue.SimpleQueue, cacheable: bool, kind: str, question: Question | None = None) -> Submitted:
+    """Submit `requests` together, or answer the one cacheable request from the exact answer cache, then the
+    semantic one (with `question`); a computed cacheable answer is kept when it ends. `kind`: the shape
+    (chat or completion, tools offered), part of the key. Sets X-Reame-Cache. RequestError, OverloadedError
+    as the engine raises them."""
+    handler.response_headers[CACHE_HEADER] = "off" if app.answers is None else "bypass"
+    if not cacheable or app.answers is None:
+        return Submitted(engine.submit_together(requests, sink), sink, {})
+    # Tokenized once: the key is over the tokens, and the engine gets them as they are.
+    tokens = engine.prompt_tokens(requests[0])
+    request = dataclasses.replace(requests[0], prompt=tokens, suffix=None)
+    answer_key = app.answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
+    handles = kept_answer(app, tokens, answer_key, sink, "answers")
+    handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
+    if handles is not None:
+        return Submitted(handles, sink, {})
+    similar = look_up(app, engine, handler, question, request.params, kind) \
+        if question is not None and app.semantic is not None else None
+    if similar is not None and similar.match is not None:
+        handles = kept_answer(app, tokens, similar.match.question.answer_key, sink, "semantic")
+        if handles is not None:
+            handler.response_headers[CACHE_HEADER] = "semantic"
+            return Submitted(handles, sink, {"cache": "semantic", "similarity": round(similar.match.similarity, 4),
+                                             "question": similar.match.question.text})
+    elif similar is not None:
+        app.metrics.add("reame_semantic_misses_total")
+    handles = engine.submit_together([request], sink)
+    return Submitted(handles, AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish,
+                                                                                similar)), {})
+
+
 def shape(chat: bool, tools: ToolRequest | None) -> str:
     """What else the server does with the generated text: part of a cache key."""
     return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
-
-
-def cache_key(app: Service, tokens: list[int], params: SamplingParams, chat: bool, tools: ToolRequest | None,
-               seed: int | None) -> bytes:
-    """The request's key in the exact answer cache."""
-    assert app.answers is not None
-    if seed is None and params.temperature == 0:
-        params = dataclasses.replace(params, seed=None)  # greedy: the random seed given to it does not count
-    return app.answers.key(tokens, params, shape(chat, tools))
 
 
 def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue,

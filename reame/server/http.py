@@ -65,6 +65,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
     request_timeout_s: float = 60.0  # the whole request, from its first byte
     model_id: str = "reame"
+    model_path: str = ""  # the served file (Ollama's /api/tags lists its size and date)
     node_name: str = ""  # every response's X-Reame-Node ("": none)
     grace_s: float = 30.0
     request_log: bool = True
@@ -410,10 +411,11 @@ class Handler(BaseHTTPRequestHandler):
     def send_error_json(self, error: HttpError) -> None:
         self.send_json(error.status, error.body(), error.headers)
 
-    def start_sse(self) -> None:
+    def start_sse(self, content_type: str = "text/event-stream") -> None:
+        """Start a streamed answer: server-sent events, or another stream (Ollama's NDJSON)."""
         self.close_connection = True  # an event stream has no length: it ends with the connection
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Type", content_type)
         self.send_header("Cache-Control", "no-cache")
         self.send_header("X-Accel-Buffering", "no")  # nginx in front passes events on at once, whatever its config
         self.send_header("Connection", "close")
@@ -428,6 +430,11 @@ class Handler(BaseHTTPRequestHandler):
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                    separators=(",", ":"))
         self.wfile.write(b"data: " + data.encode("utf-8") + b"\n\n")
+        self.wfile.flush()
+
+    def send_line(self, payload: Any) -> None:
+        """One line of a JSON-lines stream (Ollama's); raises OSError when the client has gone."""
+        self.wfile.write(json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
         self.wfile.flush()
 
     def client_gone(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class Route:
     handler: Callable[..., None]
     prefix: bool = False  # matches every path starting with `path` (the rest names a resource)
     public: bool = False  # answered without a key: nothing behind it is secret
+    error_body: Callable[[Any], dict[str, Any]] | None = None  # the API family's error shape (None: OpenAI's)
 
 
 class Router:

@@ -418,9 +418,24 @@ class FakeBackend:
     def kv_fingerprint(self) -> bytes:
         return hashlib.sha256(f"{STATE_MAGIC}/{getattr(self.rule, '__name__', 'rule')}".encode()).digest()
 
+    def describe(self) -> dict[str, object]:
+        return {"description": "fake 1M F32", "architecture": "fake", "parameters": 1_000_000,
+                "size_bytes": 4_000_000, "n_ctx_train": self.n_ctx, "n_vocab": self.n_vocab, "n_ctx": self.n_ctx,
+                "n_threads": 1, "chat_template": self.has_chat_template}
+
     def kv_tokens(self, seq_id: int) -> list[int]:
         """What a sequence holds (tests only)."""
         return list(self._kv.get(seq_id, []))
 
     def close(self) -> None:
         self.clear()
+
+
+def printable_rule(history: Sequence[int]) -> list[float]:
+    """Every printable ASCII character and the end of text possible, some more than others (what structured
+    output needs: a JSON grammar finds its characters)."""
+    rng = random.Random(hash(tuple(history[-4:])))
+    logits = [float("-inf")] * N_VOCAB
+    for token in [*range(32, 127), ord("\n"), EOS]:
+        logits[token] = rng.uniform(0, 3)
+    return logits

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
-from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
+from tests.fakes.backend import FakeBackend, printable_rule
 from reame.structured.grammar import GrammarError, GrammarState
 from reame.structured.gbnf import parse_gbnf
 from reame.structured.json_schema import JSON_OBJECT_GBNF, integer_range, schema_to_gbnf
@@ -177,15 +177,6 @@ def test_an_enum_forces_its_only_possible_rest():
     assert state.forced_text(50) == 'dministrator"'
 
 
-def printable_rule(history):
-    """Every printable ASCII character and the end of text possible, some more than others."""
-    rng = random.Random(hash(tuple(history[-4:])))
-    logits = [float("-inf")] * N_VOCAB
-    for token in [*range(32, 127), ord("\n"), EOS]:
-        logits[token] = rng.uniform(0, 3)
-    return logits
-
-
 @pytest.mark.parametrize("schema", [PERSON, {"type": "array", "items": {"type": "integer", "minimum": -5,
                                                                                 "maximum": 5}, "maxItems": 4},
                                     {"enum": ["red", "green", "blue"]}, True])
@@ -206,14 +197,6 @@ def test_an_answer_cut_by_max_tokens_says_length():
         result = engine.generate(GenerationRequest("answer: ", params))
     assert result.finish.reason == "length" and len(result.tokens) == 3 and result.text.startswith("{")
 
-
-@pytest.fixture
-def structured_server():
-    from .test_server import Live
-    with Engine(FakeBackend(n_ctx=2048, rule=printable_rule)) as engine:
-        server = Live(engine)
-        yield server
-        server.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

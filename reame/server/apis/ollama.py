@@ -1,0 +1,340 @@
+"""Ollama's API (`/api/*`), the parts its clients use (the `ollama` Python and JavaScript clients, Open WebUI,
+editor plugins, n8n): version, tags, show, ps, generate, chat, embed, embeddings, pull. A thin shape layer
+over the same engine, caches, speculation, grammars and tool-call parsing as the OpenAI routes; streamed
+answers are JSON lines ending in Ollama's final record (durations in nanoseconds), errors `{"error": …}`.
+
+One server serves one model: every model name is answered by it (as the OpenAI routes do), and `pull`
+fetches a catalog model to this machine without serving it. Ollama's sampling defaults apply when a request
+leaves them out (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1). Options that only configure
+Ollama's own runner (num_ctx, num_thread, num_gpu, mirostat, …) are accepted and ignored; an unknown one is
+logged and ignored, as Ollama does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from reame import __version__, catalog, fetch
+from reame.engine import FinishEvent, GenerationRequest, SamplingParams
+from reame.errors import FetchError, ModelError
+from reame.server import turn
+from reame.server.http import Handler, HttpError
+from reame.server.routes import Route
+from reame.server.semantic import chat_question
+from reame.server.service import POLL_S, Service
+from reame.server.validation import Fields, chat_messages, sampling_params
+from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
+from reame.structured.requested import checked
+from reame.structured.tools import ToolCall, template_messages, tool_request
+
+log = logging.getLogger("reame.server")
+
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1}
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+           "stop": "stop", "repeat_penalty": "repeat_penalty", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty", "num_predict": "max_tokens"}
+RUNNER_OPTIONS = frozenset({"num_ctx", "num_keep", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap",
+                            "use_mlock", "numa", "low_vram", "vocab_only", "typical_p", "repeat_last_n", "mirostat",
+                            "mirostat_tau", "mirostat_eta", "penalize_newline", "tfs_z", "f16_kv", "logits_all"})
+NDJSON = "application/x-ndjson"
+
+
+def error_body(error: HttpError) -> dict[str, Any]:
+    return {"error": error.message}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def details(app: Service) -> dict[str, Any]:
+    """The model's `details` as Ollama lists them: from llama.cpp's description ("llama 135M Q4_1")."""
+    described = app.ready_engine().backend.describe()
+    words = str(described.get("description", "")).split()
+    parameters = int(described.get("parameters", 0))
+    size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+    family = str(described.get("architecture", "unknown"))
+    return {"parent_model": "", "format": "gguf", "family": family, "families": [family], "parameter_size": size,
+            "quantization_level": words[-1] if len(words) >= 3 else "unknown"}
+
+
+def listed(app: Service) -> dict[str, Any]:
+    """The served model as /api/tags and /api/ps list it."""
+    path = app.settings.model_path
+    stat = os.stat(path) if path and os.path.exists(path) else None
+    size = stat.st_size if stat else int(app.ready_engine().backend.describe().get("size_bytes", 0))
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime if stat else app.created, datetime.timezone.utc)
+    name = app.settings.model_id
+    return {"name": name, "model": name, "modified_at": modified.isoformat().replace("+00:00", "Z"), "size": size,
+            "digest": hashlib.sha256(f"{name}:{size}:{modified.timestamp()}".encode()).hexdigest(),
+            "details": details(app)}
+
+
+def version(app: Service, handler: Handler, _path: str) -> None:
+    handler.send_json(200, {"version": __version__})
+
+
+def tags(app: Service, handler: Handler, _path: str) -> None:
+    handler.send_json(200, {"models": [listed(app)]})
+
+
+def ps(app: Service, handler: Handler, _path: str) -> None:
+    engine = app.ready_engine()
+    model = listed(app)
+    model.pop("modified_at")
+    handler.send_json(200, {"models": [{**model, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
+                                       "context_length": engine.backend.n_ctx}]})
+
+
+def show(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    model_name(fields)
+    engine = app.ready_engine()
+    described = engine.backend.describe()
+    family = str(described.get("architecture", "unknown"))
+    capabilities = ["completion", "tools"] + (["insert"] if getattr(engine.backend, "has_fim", False) else [])
+    handler.send_json(200, {
+        "modelfile": "", "parameters": "", "template": "", "details": details(app),
+        "model_info": {"general.architecture": family, "general.parameter_count": described.get("parameters", 0),
+                       f"{family}.context_length": described.get("n_ctx_train", 0)},
+        "capabilities": capabilities, "modified_at": listed(app)["modified_at"]})
+
+
+def model_name(fields: Fields) -> str:
+    name = fields.body.get("model", fields.body.get("name"))
+    if not isinstance(name, str) or not name:
+        raise HttpError(400, "model is required", param="model")
+    return name
+
+
+def options_of(body: dict[str, Any]) -> tuple[SamplingParams, int | None]:
+    """The request's sampling settings from `options`, over Ollama's defaults; and its seed."""
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise HttpError(400, "options must be an object", param="options")
+    mapped: dict[str, Any] = dict(OLLAMA_DEFAULTS)
+    for name, value in options.items():
+        if name in OPTIONS:
+            mapped[OPTIONS[name]] = value
+        elif name not in RUNNER_OPTIONS:  # as Ollama does: a warning, not a refusal
+            log.warning("Ollama request: invalid option provided: %s", str(name)[:64])
+    fields = Fields(mapped)
+    predict = fields.integer("max_tokens", None, -2, None)
+    seed = fields.integer("seed", None, -1, 2**32 - 2)
+    seed = None if seed == -1 else seed
+    params = sampling_params(fields, None if predict is None or predict < 0 else max(predict, 1), seed)
+    return params, seed
+
+
+def format_grammar(value: Any) -> str | None:
+    """`format`: "json" (any JSON object) or a JSON schema the answer must match."""
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return JSON_OBJECT_GBNF
+    if isinstance(value, dict):
+        return checked(schema_to_gbnf(value, param="format"))
+    raise HttpError(400, "format must be \"json\" or a JSON schema object", param="format")
+
+
+def no_images(message: dict[str, Any], where: str) -> None:
+    if message.get("images"):
+        raise HttpError(400, f"{where}.images: this model reads text only", param=f"{where}.images")
+
+
+def generate(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    body = fields.body
+    name = model_name(fields)
+    engine = app.ready_engine()
+    no_images(body, "request")
+    prompt = body.get("prompt", "")
+    system, suffix = body.get("system"), body.get("suffix")
+    for field_name, value in (("prompt", prompt), ("system", system), ("suffix", suffix)):
+        if value is not None and not isinstance(value, str):
+            raise fields.bad(field_name, "a string")
+    if not prompt and not suffix:  # Ollama's way to load a model: answered at once
+        handler.send_json(200, {"model": name, "created_at": now(), "response": "", "done": True,
+                                "done_reason": "load"})
+        return
+    params, seed = options_of(body)
+    if fields.boolean("raw", False) or not engine.backend.has_chat_template or suffix:
+        text = (system + "\n\n" if system and not fields.boolean("raw", False) else "") + prompt
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = engine.chat_prompt(messages)
+    request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
+                                suffix=suffix or None, streamed=fields.boolean("stream", True))
+    answer(app, handler, engine, name, request, seed, chat=False, stream=fields.boolean("stream", True))
+
+
+def chat(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    body = fields.body
+    name = model_name(fields)
+    engine = app.ready_engine()
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise HttpError(400, "messages must be a non-empty array", param="messages")
+    converted = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise HttpError(400, f"messages[{index}] must be an object", param=f"messages[{index}]")
+        no_images(message, f"messages[{index}]")
+        entry = {key: message[key] for key in ("role", "content", "tool_calls") if message.get(key) is not None}
+        if message.get("tool_name") is not None:
+            entry["name"] = message["tool_name"]
+        converted.append(entry)
+    messages = chat_messages(converted)
+    tools = tool_request({"tools": body["tools"]}) if body.get("tools") else None
+    params, seed = options_of(body)
+    in_template = engine.backend.template_supports_tools
+
+    def render(conversation: list[dict[str, Any]]) -> str:
+        return engine.chat_prompt(template_messages(conversation, tools, in_template),
+                                  tools.tools if tools and in_template else None)
+    question = chat_question(messages, render) if app.semantic is not None else None
+    stream = fields.boolean("stream", True)
+    grammar = format_grammar(body.get("format"))
+    request = GenerationRequest(render(messages), dataclasses.replace(params, grammar=grammar), streamed=stream)
+    answer(app, handler, engine, name, request, seed, chat=True, stream=stream, tools=tools, question=question)
+
+
+def answer(app: Service, handler: Handler, engine: Any, name: str, request: GenerationRequest, seed: int | None,
+           chat: bool, stream: bool, tools: Any = None, question: Any = None) -> None:
+    """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
+    started = time.perf_counter()
+    kind = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
+    cacheable = request.params.temperature == 0 or seed is not None
+    current = turn.start(app, handler, engine, request, tools, cacheable, kind, question,
+                         "messages" if chat else "prompt")
+    key = "message" if chat else "response"
+
+    def piece(text: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        if not chat:
+            return {"model": name, "created_at": now(), "response": text, "done": False}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"function": {"name": call.name, "arguments": call_arguments(call)}}
+                                     for call in calls]
+        return {"model": name, "created_at": now(), "message": message, "done": False}
+    if stream:
+        handler.start_sse(NDJSON)
+        try:
+            for said in turn.said(app, handler, current):
+                if said.finish is not None:
+                    final = closing(said.finish, started, current.prompt_tokens, current.cached)
+                    failed = turn.failure(said.finish)
+                    if failed is not None:
+                        handler.send_line({"error": failed.message})
+                        return
+                    handler.send_line({**piece(""), **final})
+                elif said.call is not None:
+                    handler.send_line(piece("", [said.call]))
+                elif said.text:
+                    handler.send_line(piece(said.text))
+        except OSError:  # the client went away: stop generating for it
+            current.handle.cancel()
+        return
+    calls: list[ToolCall] = []
+    finish: FinishEvent | None = None
+    for said in turn.said(app, handler, current):
+        if said.call is not None:
+            calls.append(said.call)
+        finish = said.finish or finish
+    if finish is None:
+        return  # the client left
+    failed = turn.failure(finish)
+    if failed is not None:
+        raise failed
+    whole = piece(current.choice.text, calls)
+    handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, current.prompt_tokens,
+                                                                current.cached)})
+
+
+def call_arguments(call: ToolCall) -> Any:
+    """Ollama sends a call's arguments as an object (OpenAI as JSON text)."""
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+
+
+def closing(finish: FinishEvent, started: float, prompt_tokens: int, cached: bool) -> dict[str, Any]:
+    """Ollama's final record: why it ended, the counts, the durations in nanoseconds."""
+    usage = finish.usage
+    return {"done": True, "done_reason": "length" if finish.reason == "length" else "stop",
+            "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+            "prompt_eval_count": prompt_tokens if not cached else 0,
+            "prompt_eval_duration": int(usage.prompt_seconds * 1e9), "eval_count": usage.completion_tokens,
+            "eval_duration": int(usage.decode_seconds * 1e9)}
+
+
+def embed(app: Service, handler: Handler, path: str) -> None:
+    """/api/embed (`input`: a string or strings; `embeddings`) and the older /api/embeddings (`prompt`;
+    `embedding`)."""
+    fields = Fields(handler.read_json())
+    name = model_name(fields)
+    engine = app.ready_engine()
+    older = path == "/api/embeddings"
+    inputs = fields.body.get("prompt") if older else fields.body.get("input")
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise HttpError(400, "prompt must be a string" if older else "input must be a string or an array of "
+                        "strings", param="prompt" if older else "input")
+    started = time.perf_counter()
+    tokens = [engine.backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
+    job = app.submit_checked(lambda: engine.embed(tokens))
+    while not job.done.wait(POLL_S):
+        app.check_engine()
+        if handler.client_gone():
+            handler.close_connection = True
+            return
+    try:
+        vectors = job.result(0)
+    except ModelError as error:
+        raise HttpError(500, f"embedding failed: {error}", "server_error") from None
+    if older:
+        handler.send_json(200, {"embedding": vectors[0]})
+        return
+    handler.send_json(200, {"model": name, "embeddings": vectors, "total_duration":
+                            int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                            "prompt_eval_count": sum(map(len, tokens))})
+
+
+def pull(app: Service, handler: Handler, _path: str) -> None:
+    """Fetch a catalog model to this machine (it is not served by this process: one server, one model)."""
+    fields = Fields(handler.read_json())
+    name = model_name(fields)
+    stream = fields.boolean("stream", True)
+    entry = catalog.resolve(name.removesuffix(":latest"))
+    if entry is None and name.removesuffix(":latest") != app.settings.model_id:
+        raise HttpError(404, f"pull model manifest: file does not exist: '{name}' is not in Reame's catalog "
+                        f"(reame list)", code="model_not_found")
+    steps = [{"status": "pulling manifest"}]
+    if entry is not None:
+        try:
+            fetch.ensure_model(entry)
+        except FetchError as error:
+            raise HttpError(502, f"pull model: {error}", "server_error") from None
+        steps.append({"status": "verifying sha256 digest"})
+    steps.append({"status": "success"})
+    if not stream:
+        handler.send_json(200, steps[-1])
+        return
+    handler.start_sse(NDJSON)
+    for step in steps:
+        handler.send_line(step)
+
+
+ROUTES = [Route(path, methods, function, error_body=error_body) for path, methods, function in (
+    ("/api/version", ("GET",), version), ("/api/tags", ("GET",), tags), ("/api/ps", ("GET",), ps),
+    ("/api/show", ("POST",), show), ("/api/generate", ("POST",), generate), ("/api/chat", ("POST",), chat),
+    ("/api/embed", ("POST",), embed), ("/api/embeddings", ("POST",), embed), ("/api/pull", ("POST",), pull))]

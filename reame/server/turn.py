@@ -1,0 +1,97 @@
+"""One answer, as the API families after OpenAI's completions shape it (Ollama's, and the next): a single
+generation submitted through the same caches (generation.submit), and what it says as it comes — text,
+tool calls — then how it ended. Each family turns these into its own stream or whole answer."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
+from reame.errors import OverloadedError, RequestError
+from reame.server.generation import StoredAnswer, submit
+from reame.server.http import Handler, HttpError
+from reame.server.semantic import Question
+from reame.server.service import Service, refusal
+from reame.server.shapes import Choice
+from reame.structured.tools import ToolCall, ToolRequest, tool_parser
+
+
+@dataclass
+class Said:
+    """A piece of the answer: text, a finished tool call, or (last) the end."""
+
+    text: str = ""
+    call: ToolCall | None = None
+    finish: FinishEvent | None = None
+
+
+@dataclass
+class Turn:
+    handle: Any
+    events: Any
+    choice: Choice
+    marks: dict[str, Any] = field(default_factory=dict)  # where a kept answer came from
+    prompt_tokens: int = 0
+
+    @property
+    def cached(self) -> bool:
+        """Answered from a cache: no token was generated for it."""
+        return isinstance(self.handle, StoredAnswer)
+
+
+def start(app: Service, handler: Handler, engine: Engine, request: GenerationRequest, tools: ToolRequest | None,
+          cacheable: bool, kind: str, question: Question | None = None, prompt_param: str = "messages") -> Turn:
+    """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses."""
+    try:
+        submitted = submit(app, handler, engine, [request], queue.SimpleQueue(), cacheable, kind, question)
+    except (RequestError, OverloadedError) as error:
+        raise refusal(error, prompt_param) from None
+    handle = submitted.handles[0]
+    choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer))
+    return Turn(handle, submitted.events, choice, submitted.marks, len(handle.prompt_tokens))
+
+
+def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
+    """The answer's pieces as they come, then one with its end (counted in the metrics). Stops, cancelling
+    the generation, when the client goes away."""
+    choice = turn.choice
+    while True:
+        _, event = app.next_event(turn.events)
+        if event is None:
+            if handler.client_gone():
+                turn.handle.cancel()
+                handler.close_connection = True
+                return
+            continue
+        parser = choice.parser
+        if isinstance(event, TokenEvent):
+            pieces = parser.feed(event.text) if parser is not None else [("content", event.text)]
+            turn.handle.delivered()
+        else:
+            pieces = parser.feed(event.text) + parser.finish() if parser is not None else [("content", event.text)]
+        for kind, item in pieces:
+            if kind == "content" and item:
+                choice.pieces.append(item)
+                yield Said(text=item)
+            elif kind != "content":
+                yield Said(call=item)
+        if isinstance(event, FinishEvent):
+            choice.finish = event
+            app.account([choice])
+            yield Said(finish=event)
+            return
+
+
+def failure(finish: FinishEvent) -> HttpError | None:
+    """The HTTP error of an answer that failed or timed out (None for one that ended well)."""
+    if finish.reason == "timeout":
+        return HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
+                         "server_error", "queue_timeout", headers={"Retry-After": "5"})
+    if finish.reason == "error":
+        if finish.code:  # the request's own doing (its grammar): the client can fix it
+            return HttpError(400, finish.message, code=finish.code)
+        return HttpError(500, f"generation failed: {finish.message}", "server_error", "generation_failed")
+    return None
