@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from reame.engine import Engine
-from reame.errors import EngineUnavailable, OverloadedError, RequestError
+from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
-from reame.server.http import HttpError, ServerSettings
+from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice
@@ -89,6 +89,20 @@ class Service:
             return submit()
         except (RequestError, OverloadedError) as error:
             raise refusal(error) from None
+
+    def embeddings(self, handler: Handler, engine: Engine, inputs: list[list[int]]) -> list[list[float]] | None:
+        """Unit vectors of token inputs, computed by the engine between its steps; None when the client left
+        meanwhile (its connection is then closed). 400/429 when refused, 500 when the model failed."""
+        job = self.submit_checked(lambda: engine.embed(inputs))
+        while not job.done.wait(POLL_S):
+            self.check_engine()
+            if handler.client_gone():
+                handler.close_connection = True
+                return None
+        try:
+            return job.result(0)
+        except ModelError as error:
+            raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
 
     def next_event(self, sink: queue.SimpleQueue) -> tuple[int, Any]:
         """The next (tag, event) of a request's sink, or (-1, None) after POLL_S without one. Never waits

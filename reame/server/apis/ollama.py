@@ -23,12 +23,12 @@ from typing import Any
 
 from reame import __version__, catalog, fetch
 from reame.engine import FinishEvent, GenerationRequest, SamplingParams
-from reame.errors import FetchError, ModelError
+from reame.errors import FetchError
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
-from reame.server.service import POLL_S, Service
+from reame.server.service import Service
 from reame.server.validation import Fields, chat_messages, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
@@ -291,16 +291,9 @@ def embed(app: Service, handler: Handler, path: str) -> None:
                         "strings", param="prompt" if older else "input")
     started = time.perf_counter()
     tokens = [engine.backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
-    job = app.submit_checked(lambda: engine.embed(tokens))
-    while not job.done.wait(POLL_S):
-        app.check_engine()
-        if handler.client_gone():
-            handler.close_connection = True
-            return
-    try:
-        vectors = job.result(0)
-    except ModelError as error:
-        raise HttpError(500, f"embedding failed: {error}", "server_error") from None
+    vectors = app.embeddings(handler, engine, tokens)
+    if vectors is None:
+        return
     if older:
         handler.send_json(200, {"embedding": vectors[0]})
         return

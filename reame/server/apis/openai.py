@@ -11,7 +11,6 @@ import sys
 from typing import Any
 
 from reame.engine import FinishEvent, GenerationRequest
-from reame.errors import ModelError
 from reame.server import generation
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
@@ -109,16 +108,9 @@ def embeddings(app: Service, handler: Handler, _path: str) -> None:
                         f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
     inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
               else list(item) for item in embedding_inputs(fields.body.get("input"))]
-    job = app.submit_checked(lambda: engine.embed(inputs))
-    while not job.done.wait(POLL_S):
-        app.check_engine()
-        if handler.client_gone():
-            handler.close_connection = True
-            return
-    try:
-        vectors = job.result(0)
-    except ModelError as error:
-        raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
+    vectors = app.embeddings(handler, engine, inputs)
+    if vectors is None:
+        return
     data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
             for index, vector in enumerate(vectors)]
     used = sum(len(tokens) for tokens in inputs)
