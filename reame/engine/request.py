@@ -141,6 +141,7 @@ class FinishEvent:
     text: str = ""  # text held back until the end (an unfinished character or stop-string prefix)
     # For an "error" the request itself caused (its grammar, say): what a client is told to fix.
     code: str = ""
+    stop_sequence: str = ""  # for a "stop" at one of the request's stop strings: which
 
 
 Event = Union[TokenEvent, FinishEvent]

@@ -250,7 +250,8 @@ class Sequences:
         # Kept for the next request that shares its prefix; `used` makes it the most recently used.
         slot.running, slot.held, slot.used = None, held, next(self._releases)
         self.changed = True
-        running.handle._put(FinishEvent(reason, usage, message, text=tail, code=code))
+        matched = running.stream.matched if reason == FINISH_STOP else ""
+        running.handle._put(FinishEvent(reason, usage, message, text=tail, code=code, stop_sequence=matched))
 
     def finish_all(self, reason: str, why: str) -> None:
         """Answer every running request (the engine is stopping or failed): even when the backend, which

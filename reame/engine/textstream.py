@@ -18,6 +18,7 @@ class TextStream:
         self._stop = tuple(stop)
         self._held = ""  # decoded text not yet emitted: a possible stop-string prefix
         self.stopped = False
+        self.matched = ""  # the stop string that ended the text (Anthropic's clients are told which)
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit."""
@@ -49,7 +50,7 @@ class TextStream:
         for stop in self._stop:
             index = text.find(stop)
             if index >= 0 and (found < 0 or index < found):
-                found = index
+                found, self.matched = index, stop
         return found
 
     def _longest_stop_prefix_suffix(self, text: str) -> int:

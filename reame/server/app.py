@@ -9,7 +9,7 @@ from importlib import resources
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import ollama, openai, sessions
+from reame.server.apis import anthropic, ollama, openai, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
@@ -80,8 +80,8 @@ class App(Service):
         route, path = ROUTER.find(handler.path.split("?", 1)[0])
         try:
             if (route is None or not route.public) and not handler.authorized():
-                raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or "
+                                "'x-api-key: KEY')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             if route is None:
                 raise HttpError(404, f"unknown endpoint: {handler.command} {path}", code="not_found")
             if handler.command not in route.methods:
@@ -151,5 +151,6 @@ ROUTER = Router([
     Route("/stats", ("GET",), App.stats),
     *openai.ROUTES,
     *ollama.ROUTES,
+    *anthropic.ROUTES,
     *sessions.ROUTES,
 ])

@@ -367,7 +367,8 @@ class Handler(BaseHTTPRequestHandler):
         if not keys:
             return True
         header = self.headers.get("Authorization", "")
-        token = header[7:] if header.startswith("Bearer ") else ""
+        # Bearer, as OpenAI's clients send it; x-api-key, as Anthropic's do.
+        token = header[7:] if header.startswith("Bearer ") else self.headers.get("x-api-key", "")
         # Compare with every key, so the time taken does not tell which one matched.
         results = [hmac.compare_digest(token.encode(), key.encode()) for key in keys]
         if any(results):
@@ -381,8 +382,9 @@ class Handler(BaseHTTPRequestHandler):
         if origin:
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS")
-            self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
-            self.send_header("Access-Control-Expose-Headers", "X-Reame-Cache")
+            self.send_header("Access-Control-Allow-Headers",
+                             "Content-Type, Authorization, x-api-key, anthropic-version")
+            self.send_header("Access-Control-Expose-Headers", "X-Reame-Cache, X-Reame-Node")
 
     def send_response(self, code: int, message: str | None = None) -> None:
         self.response_started = True
@@ -430,6 +432,12 @@ class Handler(BaseHTTPRequestHandler):
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                    separators=(",", ":"))
         self.wfile.write(b"data: " + data.encode("utf-8") + b"\n\n")
+        self.wfile.flush()
+
+    def send_named_event(self, name: str, payload: Any) -> None:
+        """One SSE frame with an event name (Anthropic's streams); raises OSError when the client has gone."""
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        self.wfile.write(f"event: {name}\ndata: {data}\n\n".encode("utf-8"))
         self.wfile.flush()
 
     def send_line(self, payload: Any) -> None:

@@ -85,6 +85,23 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
             return
 
 
+def whole(app: Service, handler: Handler, turn: Turn) -> tuple[list[ToolCall], FinishEvent] | None:
+    """The whole answer's tool calls and end (its text is `turn.choice.text`); None when the client left.
+    Raises the HTTP error of an answer that failed."""
+    calls: list[ToolCall] = []
+    finish: FinishEvent | None = None
+    for piece in said(app, handler, turn):
+        if piece.call is not None:
+            calls.append(piece.call)
+        finish = piece.finish or finish
+    if finish is None:
+        return None
+    failed = failure(finish)
+    if failed is not None:
+        raise failed
+    return calls, finish
+
+
 def failure(finish: FinishEvent) -> HttpError | None:
     """The HTTP error of an answer that failed or timed out (None for one that ended well)."""
     if finish.reason == "timeout":

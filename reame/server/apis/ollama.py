@@ -243,17 +243,10 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
         except OSError:  # the client went away: stop generating for it
             current.handle.cancel()
         return
-    calls: list[ToolCall] = []
-    finish: FinishEvent | None = None
-    for said in turn.said(app, handler, current):
-        if said.call is not None:
-            calls.append(said.call)
-        finish = said.finish or finish
-    if finish is None:
+    ended = turn.whole(app, handler, current)
+    if ended is None:
         return  # the client left
-    failed = turn.failure(finish)
-    if failed is not None:
-        raise failed
+    calls, finish = ended
     whole = piece(current.choice.text, calls)
     handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, current.prompt_tokens,
                                                                 current.cached)})

@@ -1,0 +1,93 @@
+"""The `anthropic` SDK against Reame serving the default model (SmolLM2) behind an API key, and, for tool use,
+Qwen2.5-Coder-1.5B: messages, a streamed message, count_tokens, a JSON schema output, stop sequences, the
+key sent as x-api-key, and a tool_use / tool_result round trip, streamed and not."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from tests.live_server import live_server
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-anthropic-test"
+GREEDY = {"temperature": 0}  # today's SDK has no sampling arguments: sent as extra fields
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                            "required": ["city"]}}
+
+
+def serve(path: Path, key: str = ""):
+    command = [sys.executable, "-m", "reame", "run", str(path), "--serve", "--port", "0", "--ctx", "2048",
+               "--threads", "2"]
+    return live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT), REAME_SERVER_API_KEY=key))
+
+
+@pytest.fixture(scope="module")
+def base(native_libraries, smollm2_path):
+    with serve(smollm2_path, KEY) as live:
+        yield live.base
+
+
+def client(base: str, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0)
+
+
+def test_a_message_and_the_same_message_streamed(base):
+    question = [{"role": "user", "content": "Name a colour."}]
+    whole = client(base).messages.create(model="smollm2", max_tokens=24, system="Be brief.", messages=question,
+                                         extra_body=GREEDY)
+    assert whole.stop_reason in ("end_turn", "max_tokens") and whole.content[0].type == "text"
+    with client(base).messages.stream(model="smollm2", max_tokens=24, system="Be brief.", messages=question,
+                                      extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text and final.usage.output_tokens == whole.usage.output_tokens
+    counted = client(base).messages.count_tokens(model="smollm2", system="Be brief.", messages=question)
+    assert counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+def test_a_json_schema_output_and_a_stop_sequence(base):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    answer = client(base).messages.create(model="smollm2", max_tokens=80, extra_body=GREEDY,
+                                          messages=[{"role": "user", "content": "Bob is 30. Reply in JSON."}],
+                                          output_config={"format": {"type": "json_schema", "schema": schema}})
+    parsed = json.loads(answer.content[0].text)
+    assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
+    counting = [{"role": "user", "content": "Count from 1 to 9, separated by commas."}]
+    full = client(base).messages.create(model="smollm2", max_tokens=40, messages=counting, extra_body=GREEDY)
+    stop = full.content[0].text.strip()[2:4]
+    cut = client(base).messages.create(model="smollm2", max_tokens=40, messages=counting, extra_body=GREEDY,
+                                       stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+
+
+def test_the_key_goes_as_x_api_key(base):
+    with pytest.raises(anthropic.AuthenticationError):
+        client(base, "sk-wrong").messages.create(model="smollm2", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_tool_use_round_trip_on_qwen(native_libraries, model_path):
+    with serve(model_path("qwen2.5-coder-1.5b")) as live:
+        qwen = client(live.base, "unused")
+        question = [{"role": "user", "content": "What is the weather in Paris? Use the tool, then answer in one "
+                                                "sentence."}]
+        answer = qwen.messages.create(model="qwen", max_tokens=80, messages=question, tools=[WEATHER],
+                                      extra_body=GREEDY)
+        assert answer.stop_reason == "tool_use"
+        (use,) = [block for block in answer.content if block.type == "tool_use"]
+        assert use.name == "get_weather" and use.input == {"city": "Paris"}
+        with qwen.messages.stream(model="qwen", max_tokens=80, messages=question, tools=[WEATHER],
+                                  extra_body=GREEDY) as stream:
+            streamed = stream.get_final_message()
+        assert [block.input for block in streamed.content if block.type == "tool_use"] == [{"city": "Paris"}]
+        final = qwen.messages.create(model="qwen", max_tokens=80, tools=[WEATHER], extra_body=GREEDY, messages=[
+            *question, {"role": "assistant", "content": answer.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]}])
+        assert final.stop_reason == "end_turn" and "21" in final.content[0].text
