@@ -76,6 +76,20 @@ def smollm2_server(smollm2_path: object, key: str, parallel: int) -> Iterator[st
         yield live.base
 
 
+@contextmanager
+def model_server(path: object, key: str = "") -> Iterator[LiveServer]:
+    """`reame run MODEL --serve` (with an API key when `key`), 2048 tokens of context and 2 threads."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "reame", "run", str(path), "--serve", "--port", "0", "--ctx", "2048",
+               "--threads", "2"] + (["--api-key", key] if key else [])
+    with live_server(command, env=dict(os.environ, PYTHONPATH=str(root))) as live:
+        yield live
+
+
 def post_json(base: str, path: str, body: dict, timeout_s: float = 120) -> tuple[dict[str, str], dict]:
     """POST `body` as JSON to a live server; (response headers, the JSON answer)."""
     request = urllib.request.Request(base + path, data=json.dumps(body).encode(),

@@ -9,7 +9,7 @@ from importlib import resources
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import anthropic, ollama, openai, sessions
+from reame.server.apis import anthropic, ollama, openai, responses, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
@@ -152,5 +152,6 @@ ROUTER = Router([
     *openai.ROUTES,
     *ollama.ROUTES,
     *anthropic.ROUTES,
+    *responses.ROUTES,
     *sessions.ROUTES,
 ])

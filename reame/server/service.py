@@ -12,6 +12,7 @@ from reame.engine import Engine
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
+from reame.server.conversations import Conversations
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics
 from reame.server.sessions import SessionError, Sessions
@@ -34,6 +35,7 @@ class Service:
         self.sessions = sessions
         self.answers = answers
         self.semantic = semantic if answers is not None else None
+        self.conversations = Conversations()  # the Responses API's stored responses
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")

@@ -3,27 +3,17 @@ Qwen2.5-Coder-1.5B: messages, a streamed message, count_tokens, a JSON schema ou
 key sent as x-api-key, and a tool_use / tool_result round trip, streamed and not."""
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import anthropic
 import pytest
 
-from tests.live_server import live_server
+from tests.live_server import model_server as serve
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-anthropic-test"
 GREEDY = {"temperature": 0}  # today's SDK has no sampling arguments: sent as extra fields
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
                             "required": ["city"]}}
-
-
-def serve(path: Path, key: str = ""):
-    command = [sys.executable, "-m", "reame", "run", str(path), "--serve", "--port", "0", "--ctx", "2048",
-               "--threads", "2"]
-    return live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT), REAME_SERVER_API_KEY=key))
 
 
 @pytest.fixture(scope="module")

@@ -3,27 +3,17 @@ Qwen2.5-Coder-1.5B (whose template lays tools out): list, show, ps, generate, ch
 schema format, embeddings, pull, a tool call and its round trip, and Ollama's errors."""
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import ollama
 import pytest
 
-from tests.live_server import live_server
+from tests.live_server import model_server as serve
 
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0, "num_predict": 24}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
                    "required": ["city"]}}}
-
-
-def serve(path: Path):
-    command = [sys.executable, "-m", "reame", "run", str(path), "--serve", "--port", "0", "--ctx", "2048",
-               "--threads", "2"]
-    return live_server(command, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 @pytest.fixture(scope="module")

@@ -403,7 +403,7 @@ BODY = json.dumps({"model": "m", "input": "hello", "prompt": "hi", "max_tokens":
 
 @pytest.mark.parametrize("first, status", [
     (post_bytes("/v1/unknown", BODY), 404),
-    (post_bytes("/v1/responses", BODY), 404),
+    (post_bytes("/v1/assistants", BODY), 404),
     (post_bytes("/v1/chat/completions", BODY, method="PUT"), 405),
     (post_bytes("/v1/completions", b'{"prompt": "hi", "max_tokens": "two"}'), 400),
     (post_bytes("/v1/completions", b"{not json"), 400),

@@ -1,0 +1,286 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`), for the newer OpenAI
+clients (`client.responses.create`, the Agents SDK): `input` as a string or items (messages, function calls
+and their outputs), `instructions`, `max_output_tokens`, sampling, function `tools`, `tool_choice`,
+`text.format` (JSON object or schema), streaming with the Responses event types, and `previous_response_id`
+over stored responses (conversations.py; `store: false` stores none). The same engine and caches as every
+route (generation.submit, turn.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any
+
+from reame.engine import FinishEvent, GenerationRequest
+from reame.server import turn
+from reame.server.http import Handler, HttpError
+from reame.server.routes import Route
+from reame.server.service import Service
+from reame.server.validation import Fields, chat_messages, sampling_params
+from reame.structured.requested import forced_tool_grammar, requested_grammar
+from reame.structured.tools import ToolCall, ToolRequest, template_messages, tool_request
+
+ROLES = ("user", "assistant", "system", "developer")
+
+
+def item_messages(value: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages: a string is one user message; items are messages (string content or
+    input_text/output_text parts), function_call items (an assistant's tool calls) and
+    function_call_output items (tool results)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise HttpError(400, "'input' must be a string or a non-empty array of items", param="input")
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ROLES:
+            content = item.get("content")
+            if isinstance(content, list):
+                parts = []
+                for number, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                            or not isinstance(part.get("text"), str):
+                        raise HttpError(400, f"'{where}.content[{number}]' must be a text part; this model reads "
+                                        "text only", param=f"{where}.content", code="invalid_value")
+                    parts.append(part["text"])
+                content = "\n".join(parts)
+            messages.append({"role": item["role"], "content": content})
+        elif kind == "function_call" and isinstance(item.get("name"), str):
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise HttpError(400, f"'{where}.output' must be a string", param=where, code="invalid_type")
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output})
+        else:
+            raise HttpError(400, f"'{where}' is not a message, function_call or function_call_output item this "
+                            "server reads", param=where, code="invalid_value")
+    return messages
+
+
+def tools_of(body: dict[str, Any]) -> ToolRequest | None:
+    """Responses' flat function tools and tool_choice as the chat ones the tool layer reads."""
+    tools = body.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise HttpError(400, "'tools' must be an array", param="tools", code="invalid_type")
+    functions = []
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise HttpError(400, f"'tools[{index}]' must be a function tool {{\"type\": \"function\", \"name\", "
+                            "\"parameters\"}} (this server runs no built-in tools)", param="tools",
+                            code="invalid_value")
+        functions.append({"type": "function", "function": {key: tool[key] for key in
+                                                           ("name", "description", "parameters") if key in tool}})
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tool_request({"tools": functions, "tool_choice": choice,
+                         "parallel_tool_calls": body.get("parallel_tool_calls", True)})
+
+
+def text_format(body: dict[str, Any]) -> str | None:
+    """`text.format` ({"type": "text" | "json_object" | "json_schema", "name", "schema"}) as a grammar."""
+    text = body.get("text")
+    if text is None:
+        return None
+    spec = text.get("format") if isinstance(text, dict) else None
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise HttpError(400, "'text.format' must be an object", param="text.format", code="invalid_type")
+    if spec.get("type") == "json_schema":
+        spec = {"type": "json_schema", "json_schema": {"name": spec.get("name", "answer"), "schema": spec.get("schema"),
+                                                       "strict": spec.get("strict")}}
+    return requested_grammar({"response_format": spec})
+
+
+def create(app: Service, handler: Handler, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    body = fields.body
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise fields.bad("model", "a string")
+    engine = app.ready_engine()
+    earlier: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        stored = app.conversations.find(handler.owner, previous) if isinstance(previous, str) else None
+        if stored is None:
+            raise HttpError(404, f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                            code="previous_response_not_found")
+        earlier = [message for message in stored.messages if message["role"] != "system"]
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise fields.bad("instructions", "a string")
+    messages = chat_messages(([{"role": "system", "content": instructions}] if instructions else []) + earlier +
+                             item_messages(body.get("input")))
+    tools = tools_of(body)
+    grammar = text_format(body)
+    if tools is not None and tools.forced is not None:
+        if grammar is not None:
+            raise HttpError(400, "a forced tool call already fixes the answer's shape: drop text.format",
+                            param="text.format", code="invalid_value")
+        grammar = forced_tool_grammar(tools)
+    in_template = engine.backend.template_supports_tools
+    prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
+                                tools.tools if tools and in_template else None)
+    prompt += tools.prefill if tools is not None else ""
+    params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
+    stream = fields.boolean("stream", False)
+    request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
+    current = turn.start(app, handler, engine, request, tools, params.temperature == 0,
+                         "chat" + ("+tools" if tools is not None else ""), prompt_param="input")
+    reply = Reply(app, handler, body, model or app.settings.model_id, current, messages,
+                  fields.boolean("store", True), previous)
+    if stream:
+        reply.stream()
+    else:
+        ended = turn.whole(app, handler, current)
+        if ended is not None:
+            handler.send_json(200, reply.finished(*ended))
+
+
+class Reply:
+    """One response: its items as they come (streamed) and its whole object, stored when asked."""
+
+    def __init__(self, app: Service, handler: Handler, body: dict[str, Any], model: str, current: turn.Turn,
+                 messages: list[dict[str, Any]], store: bool, previous: str | None) -> None:
+        self.app, self.handler, self.body, self.model, self.turn = app, handler, body, model, current
+        self.messages, self.store, self.previous = messages, store, previous
+        self.id = "resp_" + uuid.uuid4().hex
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def envelope(self, status: str, output: list[dict[str, Any]], finish: FinishEvent | None) -> dict[str, Any]:
+        body = self.body
+        incomplete = finish is not None and finish.reason == "length"
+        usage = None
+        if finish is not None:
+            prompt = self.turn.prompt_tokens
+            cached = prompt if self.turn.cached else finish.usage.cached_tokens
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                     "output_tokens": finish.usage.completion_tokens,
+                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt + finish.usage.completion_tokens}
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": "incomplete" if incomplete and status == "completed" else status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+                "model": self.model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "previous_response_id": self.previous, "store": self.store,
+                "temperature": body.get("temperature", 1.0), "text": body.get("text") or {"format": {"type": "text"}},
+                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage,
+                "user": body.get("user"), "metadata": body.get("metadata") or {}}
+
+    def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def call_item(call: ToolCall) -> dict[str, Any]:
+        return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+                "name": call.name, "arguments": call.arguments, "status": "completed"}
+
+    def finished(self, calls: list[ToolCall], finish: FinishEvent) -> dict[str, Any]:
+        """The whole response (stored for previous_response_id unless `store` is false)."""
+        text = self.turn.choice.text
+        output = ([self.message_item(text)] if text or not calls else []) + [self.call_item(call) for call in calls]
+        response = self.envelope("completed", output, finish)
+        if self.store:
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                answer["tool_calls"] = [{"id": call.id, "type": "function",
+                                         "function": {"name": call.name, "arguments": call.arguments}}
+                                        for call in calls]
+            self.app.conversations.keep(self.handler.owner, self.id, [*self.messages, answer], response)
+        return response
+
+    def send(self, kind: str, **payload: Any) -> None:
+        self.handler.send_named_event(kind, {"type": kind, "sequence_number": self.sequence, **payload})
+        self.sequence += 1
+
+    def stream(self) -> None:
+        handler = self.handler
+        handler.start_sse()
+        calls: list[ToolCall] = []
+        text_open = False
+        output_index = 0
+        try:
+            self.send("response.created", response=self.envelope("in_progress", [], None))
+            self.send("response.in_progress", response=self.envelope("in_progress", [], None))
+            for said in turn.said(self.app, handler, self.turn):
+                if said.text:
+                    if not text_open:
+                        self.send("response.output_item.added", output_index=output_index,
+                                  item=self.message_item("", "in_progress"))
+                        self.send("response.content_part.added", item_id=self.message_id, output_index=output_index,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        text_open = True
+                    self.send("response.output_text.delta", item_id=self.message_id, output_index=output_index,
+                              content_index=0, delta=said.text, logprobs=[])
+                elif said.call is not None:
+                    if text_open:
+                        self.close_text(output_index)
+                        output_index, text_open = output_index + 1, False
+                    calls.append(said.call)
+                    item = self.call_item(said.call)
+                    self.send("response.output_item.added", output_index=output_index,
+                              item={**item, "arguments": "", "status": "in_progress"})
+                    self.send("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=output_index, delta=item["arguments"])
+                    self.send("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=output_index, arguments=item["arguments"])
+                    self.send("response.output_item.done", output_index=output_index, item=item)
+                    output_index += 1
+                elif said.finish is not None:
+                    failed = turn.failure(said.finish)
+                    if failed is not None:
+                        self.send("error", code=failed.code, message=failed.message, param=None)
+                        return
+                    if text_open:
+                        self.close_text(output_index)
+                    response = self.finished(calls, said.finish)
+                    self.send("response.completed" if response["status"] == "completed" else "response.incomplete",
+                              response=response)
+        except OSError:  # the client went away: stop generating for it
+            self.turn.handle.cancel()
+
+    def close_text(self, output_index: int) -> None:
+        text = self.turn.choice.text
+        part = {"type": "output_text", "text": text, "annotations": []}
+        self.send("response.output_text.done", item_id=self.message_id, output_index=output_index, content_index=0,
+                  text=text, logprobs=[])
+        self.send("response.content_part.done", item_id=self.message_id, output_index=output_index, content_index=0,
+                  part=part)
+        self.send("response.output_item.done", output_index=output_index, item=self.message_item(text))
+
+
+def stored(app: Service, handler: Handler, path: str) -> None:
+    """GET /v1/responses/{id}: a stored response; DELETE forgets it."""
+    response_id = path[len("/v1/responses/"):]
+    if handler.command == "DELETE":
+        if not app.conversations.forget(handler.owner, response_id):
+            raise HttpError(404, f"Response with id '{response_id}' not found.", code="not_found")
+        handler.send_json(200, {"id": response_id, "object": "response", "deleted": True})
+        return
+    found = app.conversations.find(handler.owner, response_id)
+    if found is None:
+        raise HttpError(404, f"Response with id '{response_id}' not found.", code="not_found")
+    handler.send_json(200, found.response)
+
+
+ROUTES = [Route("/v1/responses", ("POST",), create),
+          Route("/v1/responses/", ("GET", "DELETE"), stored, prefix=True)]
