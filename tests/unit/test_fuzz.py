@@ -86,11 +86,37 @@ FIELDS = {
     "/v1/warm": ["prompt", "messages"],
     "/tokenize": ["content", "add_special"],
     "/detokenize": ["tokens"],
+    "/api/chat": ["messages", "model", "options", "format", "tools", "keep_alive"],
+    "/api/generate": ["prompt", "model", "system", "suffix", "raw", "options", "format"],
+    "/api/embed": ["input", "model"],
+    "/v1/messages": ["messages", "model", "max_tokens", "system", "stop_sequences", "tools", "tool_choice",
+                     "temperature", "top_k", "output_config"],
+    "/v1/messages/count_tokens": ["messages", "system", "tools"],
+    "/v1/responses": ["input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
+                      "previous_response_id", "store", "temperature", "parallel_tool_calls"],
 }
 VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
          "/v1/embeddings": {"input": "hi"}, "/v1/warm": {"prompt": "hi"}, "/tokenize": {"content": "hi"},
-         "/detokenize": {"tokens": [104, 105]}}
+         "/detokenize": {"tokens": [104, 105]},
+         "/api/chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+                       "options": {"num_predict": 2}},
+         "/api/generate": {"model": "m", "prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+         "/api/embed": {"model": "m", "input": "hi"},
+         "/v1/messages": {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+         "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+         "/v1/responses": {"model": "m", "input": "hi", "max_output_tokens": 2}}
+
+
+def error_message(path: str, answer: dict) -> str:
+    """A 400's message in the shape of the path's API family (Ollama's, Anthropic's, else OpenAI's)."""
+    if path.startswith("/api/"):
+        return answer["error"]
+    if path.startswith("/v1/messages"):
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+        return answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+    return answer["error"]["message"]
 
 
 @FUZZ
@@ -98,13 +124,13 @@ VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
 def test_type_confusion_in_any_field_is_a_400_naming_it_never_a_500(server, path, data):
     field = data.draw(st.sampled_from(FIELDS[path]))
     body = dict(VALID[path], **{field: data.draw(JSON)})
-    if field in ("n", "max_tokens", "max_completion_tokens") and isinstance(body[field], int):
+    if field in ("n", "max_tokens", "max_completion_tokens", "max_output_tokens") and isinstance(body[field], int):
         assume(body[field] < 64)  # valid and huge: a long but correct generation, not what this test is about
     assume(not (field == "stream" and body[field] is True))  # valid: an SSE stream, answered as one elsewhere
     status, answer = server.json("POST", path, body)
     assert status in (200, 400, 404, 413), (status, answer)
     if status == 400:
-        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        assert error_message(path, answer)
 
 
 @FUZZ
@@ -112,11 +138,11 @@ def test_type_confusion_in_any_field_is_a_400_naming_it_never_a_500(server, path
                      st.integers(1, 400).map(lambda n: b'{"prompt": ' * n + b"1" + b"}" * n),
                      st.text(max_size=50).map(lambda t: b'{"prompt": "' + t.encode("utf-8") + b'\xff\xfe"}')))
 def test_malformed_and_deep_json_bodies_are_400(server, raw):
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/api/chat", "/v1/messages",
+                 "/v1/responses"):
         response, data = server.request("POST", path, raw=raw, headers={"Content-Type": "application/json"})
         if response.status != 200:
-            assert response.status == 400 and json.loads(data)["error"]["code"] in (
-                "invalid_json", "invalid_type", "invalid_value", "bad_request"), data
+            assert response.status == 400 and error_message(path, json.loads(data)), data
 
 
 @FUZZ
