@@ -262,10 +262,12 @@ class Engine:
         """The request's prompt as tokens (see prompt.py)."""
         return prompt_tokens(self.backend, request)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The model's chat template applied to `messages` (and `tools`), ready for the assistant's turn."""
-        return self.backend.apply_chat_template(messages, add_assistant=True, tools=tools)
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                    enable_thinking: bool | None = None) -> str:
+        """The model's chat template applied to `messages` (and `tools`), ready for the assistant's turn;
+        `enable_thinking`: a thinking model's switch, where its template has one."""
+        return self.backend.apply_chat_template(messages, add_assistant=True, tools=tools,
+                                                enable_thinking=enable_thinking)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Cancel what is running, stop the thread, then free what it used (the cache, the draft sources, and

@@ -61,13 +61,18 @@ class Backend(Protocol):
     def is_eog(self, token: int) -> bool: ...
     def eog_tokens(self) -> list[int]: ...
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            enable_thinking: bool | None = None) -> str:
         """The prompt for `messages`; `tools` (OpenAI function tools) are laid out by the template when
-        `template_supports_tools`, else the caller describes them in a message of its own."""
+        `template_supports_tools`, else the caller describes them in a message of its own;
+        `enable_thinking`: the template's thinking switch (None: its default)."""
         ...
 
     @property
     def template_supports_tools(self) -> bool: ...
+    @property
+    def template_thinks(self) -> tuple[bool, bool]:
+        """(the model thinks in <think>…</think>, a request can turn that off) by its chat template."""
     def fim_tokens(self) -> tuple[int, int, int] | None:
         """(prefix, suffix, middle) fill-in-the-middle tokens, or None when the model has none."""
         ...

@@ -208,6 +208,8 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self.supports_tools = "tools" in variables  # it lays tools out itself, in the model's own words
+        self.thinks = "</think>" in source  # the model thinks in <think>…</think> before it answers
+        self.thinking_switch = "enable_thinking" in variables  # a request may turn the thinking off
         try:
             self.render(PROBE)
         except RequestError as error:
@@ -216,14 +218,16 @@ class ChatTemplate:
                                  f"budget: {error}") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool | None = None) -> str:
         """The prompt text; a template that refuses the conversation (roles out of order, a role
-        it does not know) is a RequestError with its own message."""
+        it does not know) is a RequestError with its own message. `enable_thinking`: the template's own
+        switch, passed when given (None: the template's default)."""
         self._budget.start()
+        switch = {"enable_thinking": enable_thinking} if enable_thinking is not None else {}
         try:
             return self._joined(self._template.generate(
                 messages=list(messages), tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, **self.special_tokens))
+                add_generation_prompt=add_generation_prompt, **self.special_tokens, **switch))
         except RenderBudgetExceeded as error:
             raise RequestError(f"the model's chat template went past its budget: {error}", param="messages",
                                code="template_budget_exceeded") from None

@@ -243,14 +243,19 @@ class LlamaBackend:
     def template_supports_tools(self) -> bool:
         return self._jinja is not None and self._jinja.supports_tools
 
+    @property
+    def template_thinks(self) -> tuple[bool, bool]:
+        return (self._jinja.thinks, self._jinja.thinking_switch) if self._jinja is not None else (False, False)
+
     def token_text(self, token: int) -> str:
         """A token's text as the vocabulary spells it (special tokens included)."""
         return (self._api.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            enable_thinking: bool | None = None) -> str:
         if self._jinja is not None:
-            return self._jinja.render(messages, add_assistant, tools)
+            return self._jinja.render(messages, add_assistant, tools, enable_thinking)
         if self._chat_template is None:
             return fallback_chat_format(messages, add_assistant)
         encoded = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]

@@ -24,6 +24,7 @@ from reame.server.service import POLL_S, Service, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
                                      semantic_cache_allowed, stream_usage)
+from reame.structured.thinking import ThinkingSplitter
 from reame.structured.tools import ToolRequest, tool_parser
 
 
@@ -35,9 +36,10 @@ CACHE_HEADER = "X-Reame-Cache"
 def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
              max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
              tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
-             elect_among: int = 1, question: Question | None = None) -> None:
+             elect_among: int = 1, question: Question | None = None, thinks: bool = False) -> None:
     """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts;
-    `question`: the chat's last question, for the semantic cache."""
+    `question`: the chat's last question, for the semantic cache; `thinks`: the model thinks in
+    <think>…</think> (its answers are split into reasoning_content and content)."""
     n = fields.integer("n", 1, 1, MAX_CHOICES)
     assert n is not None
     if len(prompts) * max(n, elect_among) > MAX_CHOICES:
@@ -83,8 +85,9 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
         response = Response(chat, app.settings.model_id, engine.backend.token_piece if logprobs is not None
                             else None, per_prompt=group)
-        choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer))
-                   for handle in handles]
+        choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer),
+                          thinker=ThinkingSplitter.for_prompt(echo_text(engine, prompts[i // group]))
+                          if thinks else None) for i, handle in enumerate(handles)]
         if stream:
             stream_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
                         release_session)
@@ -198,7 +201,7 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
                 return
         if event is None:
             continue
-        choices[tag].pieces.append(event.text)
+        choices[tag].pieces.append(choices[tag].split(event.text, isinstance(event, FinishEvent))[1])
         if isinstance(event, TokenEvent):
             if event.logprob is not None:
                 choices[tag].tokens.append(event)
@@ -253,15 +256,18 @@ def stream_answer(app: Service, handler: Handler, response: "Response", sink: qu
             if event is None:
                 continue
             choice = choices[tag]
+            thinking, text = choice.split(event.text, isinstance(event, FinishEvent))
+            if thinking:
+                handler.send_event(response.reasoning_chunk(tag, thinking))
             if isinstance(event, TokenEvent):
                 if event.logprob is not None:
                     choice.tokens.append(event)
                 if choice.parser is not None:
-                    send_said(handler, response, tag, choice, choice.parser.feed(event.text))
-                elif event.text and not choice.tokens:
-                    handler.send_event(response.text_chunk(tag, event.text))
-                elif event.text:  # held-back tokens' logprobs ride along with the next chunk
-                    handler.send_event(response.chunk(tag, event.text, tokens=choice.tokens))
+                    send_said(handler, response, tag, choice, choice.parser.feed(text))
+                elif text and not choice.tokens:
+                    handler.send_event(response.text_chunk(tag, text))
+                elif text:  # held-back tokens' logprobs ride along with the next chunk
+                    handler.send_event(response.chunk(tag, text, tokens=choice.tokens))
                     choice.tokens = []
                 handles[tag].delivered()
                 continue
@@ -275,10 +281,8 @@ def stream_answer(app: Service, handler: Handler, response: "Response", sink: qu
                 handler.send_event({"error": {"message": event.message, "type": kind, "param": None,
                                               "code": code}})
                 continue
-            text = event.text
             if choice.parser is not None:
-                send_said(handler, response, tag, choice,
-                               choice.parser.feed(event.text) + choice.parser.finish())
+                send_said(handler, response, tag, choice, choice.parser.feed(text) + choice.parser.finish())
                 text = ""
             handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
         app.account(choices)

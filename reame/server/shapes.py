@@ -10,6 +10,7 @@ from typing import Any
 
 from reame import __version__
 from reame.engine import FinishEvent, TokenEvent
+from reame.structured.thinking import ThinkingSplitter
 from reame.structured.tools import ToolCall, ToolCallParser
 
 
@@ -20,10 +21,21 @@ class Choice:
     tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
     parser: ToolCallParser | None = None  # set when the request offered tools
     computed: bool = True  # False for an answer from the exact answer cache: no token was generated for it
+    thinker: ThinkingSplitter | None = None  # set for a model that thinks in <think>…</think>
+    thinking: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    def split(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(thinking, content) of a piece of the raw answer (`final`: its last)."""
+        if self.thinker is None:
+            return "", text
+        parts = self.thinker.feed(text) + (self.thinker.finish() if final else [])
+        thinking = "".join(part for kind, part in parts if kind == "thinking")
+        self.thinking.append(thinking)
+        return thinking, "".join(part for kind, part in parts if kind == "content")
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -75,6 +87,8 @@ class Response:
                                     "finish_reason": choice.finish_reason()}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": choice.text}
+                if "".join(choice.thinking):
+                    item["message"]["reasoning_content"] = "".join(choice.thinking)
                 if choice.calls:
                     item["message"]["content"] = choice.text or None
                     item["message"]["tool_calls"] = [call.shaped() for call in choice.calls]
@@ -101,6 +115,12 @@ class Response:
             return self._envelope("chat.completion.chunk", [item])
         item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("text_completion", [item])
+
+    def reasoning_chunk(self, index: int, text: str) -> dict[str, Any]:
+        """A chat stream chunk carrying thinking, as `reasoning_content` (the field OpenAI-compatible servers
+        and clients use for it)."""
+        return self._envelope("chat.completion.chunk", [
+            {"index": index, "delta": {"reasoning_content": text}, "logprobs": None, "finish_reason": None}])
 
     def tool_call_chunk(self, index: int, position: int, call: ToolCall) -> dict[str, Any]:
         """A stream chunk carrying a whole tool call (its arguments in one piece), the `position`-th of the choice."""

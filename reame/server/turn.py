@@ -16,6 +16,7 @@ from reame.server.http import Handler, HttpError
 from reame.server.semantic import Question
 from reame.server.service import Service, refusal
 from reame.server.shapes import Choice
+from reame.structured.thinking import ThinkingSplitter
 from reame.structured.tools import ToolCall, ToolRequest, tool_parser
 
 
@@ -26,6 +27,7 @@ class Said:
     text: str = ""
     call: ToolCall | None = None
     finish: FinishEvent | None = None
+    thinking: str = ""  # a thinking model's text between <think> and </think>
 
 
 @dataclass
@@ -43,14 +45,17 @@ class Turn:
 
 
 def start(app: Service, handler: Handler, engine: Engine, request: GenerationRequest, tools: ToolRequest | None,
-          cacheable: bool, kind: str, question: Question | None = None, prompt_param: str = "messages") -> Turn:
-    """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses."""
+          cacheable: bool, kind: str, question: Question | None = None, prompt_param: str = "messages",
+          thinks: bool = False) -> Turn:
+    """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses.
+    `thinks`: the model thinks in <think>…</think>, said apart from the answer."""
     try:
         submitted = submit(app, handler, engine, [request], queue.SimpleQueue(), cacheable, kind, question)
     except (RequestError, OverloadedError) as error:
         raise refusal(error, prompt_param) from None
     handle = submitted.handles[0]
-    choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer))
+    thinker = ThinkingSplitter.for_prompt(request.prompt) if thinks and isinstance(request.prompt, str) else None
+    choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer), thinker=thinker)
     return Turn(handle, submitted.events, choice, submitted.marks, len(handle.prompt_tokens))
 
 
@@ -67,11 +72,15 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
                 return
             continue
         parser = choice.parser
+        final = isinstance(event, FinishEvent)
+        thinking, text = choice.split(event.text, final)
+        if thinking:
+            yield Said(thinking=thinking)
         if isinstance(event, TokenEvent):
-            pieces = parser.feed(event.text) if parser is not None else [("content", event.text)]
+            pieces = parser.feed(text) if parser is not None else [("content", text)]
             turn.handle.delivered()
         else:
-            pieces = parser.feed(event.text) + parser.finish() if parser is not None else [("content", event.text)]
+            pieces = parser.feed(text) + parser.finish() if parser is not None else [("content", text)]
         for kind, item in pieces:
             if kind == "content" and item:
                 choice.pieces.append(item)
@@ -86,7 +95,8 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
 
 
 def whole(app: Service, handler: Handler, turn: Turn) -> tuple[list[ToolCall], FinishEvent] | None:
-    """The whole answer's tool calls and end (its text is `turn.choice.text`); None when the client left.
+    """The whole answer's tool calls and end (its text is `turn.choice.text`, its thinking
+    `turn.choice.thinking`); None when the client left.
     Raises the HTTP error of an answer that failed."""
     calls: list[ToolCall] = []
     finish: FinishEvent | None = None

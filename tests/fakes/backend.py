@@ -218,9 +218,9 @@ class FakeBackend:
     supports_rollback = True
 
     def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule,
-                 template_tools: bool = True) -> None:
+                 template_tools: bool = True, template: str | None = None) -> None:
         """`template_tools`: whether the chat template lays tools out itself (False: a template
-        that knows nothing of tools, like SmolLM2's)."""
+        that knows nothing of tools, like SmolLM2's); `template`: another chat template's source."""
         self.n_vocab = N_VOCAB
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_ctx
@@ -234,7 +234,7 @@ class FakeBackend:
         self.embedding_context_tokens = n_ctx
         self.embedding_batch = 4
         self.embed_calls: list[int] = []  # inputs per embed() call
-        source = CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them")
+        source = template or (CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them"))
         self._template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
         self._kv: dict[int, list[int]] = {}
         # Each position's cell, as in llama's unified KV: seq_cp shares cells instead of copying them.
@@ -288,14 +288,19 @@ class FakeBackend:
         return (FIM_PRE, FIM_SUF, FIM_MID) if self.has_fim else None
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            enable_thinking: bool | None = None) -> str:
         if not self.has_chat_template:
             return fallback_chat_format(messages, add_assistant)
-        return self._template.render(messages, add_assistant, tools)
+        return self._template.render(messages, add_assistant, tools, enable_thinking)
 
     @property
     def template_supports_tools(self) -> bool:
         return self.has_chat_template and self._template.supports_tools
+
+    @property
+    def template_thinks(self) -> tuple[bool, bool]:
+        return (self._template.thinks, self._template.thinking_switch) if self.has_chat_template else (False, False)
 
     # --- inference ---
 

@@ -111,12 +111,25 @@ def tools_of(body: dict[str, Any]) -> ToolRequest | None:
                          "parallel_tool_calls": not choice.get("disable_parallel_tool_use", False)})
 
 
+def thinking_switch(body: dict[str, Any], switchable: bool) -> bool | None:
+    """`thinking` ({"type": "enabled" | "disabled" | "adaptive"}) for a template that can turn the model's
+    thinking off; None otherwise (the template's default)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise HttpError(400, "thinking: must be {\"type\": \"enabled\" | \"disabled\" | \"adaptive\"}",
+                        param="thinking")
+    return thinking["type"] != "disabled" if switchable else None
+
+
 def prompt_of(app: Service, body: dict[str, Any]) -> tuple[str, ToolRequest | None]:
     engine = app.ready_engine()
     tools = tools_of(body)
     in_template = engine.backend.template_supports_tools
     prompt = engine.chat_prompt(template_messages(conversation(body), tools, in_template),
-                                tools.tools if tools and in_template else None)
+                                tools.tools if tools and in_template else None,
+                                thinking_switch(body, engine.backend.template_thinks[1]))
     return prompt + (tools.prefill if tools is not None else ""), tools
 
 
@@ -143,7 +156,8 @@ def messages(app: Service, handler: Handler, _path: str) -> None:
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
     kind = "chat" + ("+tools" if tools is not None else "")
-    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, kind)
+    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, kind,
+                         thinks=engine.backend.template_thinks[0])
     reply = Reply(model, current)
     if stream:
         reply.stream(app, handler)
@@ -195,8 +209,9 @@ class Reply:
         if ended is None:
             return  # the client left
         calls, finish = ended
-        text = self.turn.choice.text
-        content = ([{"type": "text", "text": text}] if text else []) + [tool_use(call) for call in calls]
+        text, thinking = self.turn.choice.text, "".join(self.turn.choice.thinking)
+        content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) + \
+            ([{"type": "text", "text": text}] if text else []) + [tool_use(call) for call in calls]
         reason, sequence = self.stop(finish, bool(calls))
         handler.send_json(200, {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
@@ -205,12 +220,24 @@ class Reply:
     def stream(self, app: Service, handler: Handler) -> None:
         handler.start_sse()
         send = handler.send_named_event
-        index, text_open, calls = 0, False, False
+        index, text_open, thinking_open, calls = 0, False, False, False
         try:
             send("message_start", {"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": self.usage(None)}})
             for said in turn.said(app, handler, self.turn):
+                if said.thinking:
+                    if not thinking_open:
+                        send("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": {"type": "thinking", "thinking": "",
+                                                                       "signature": ""}})
+                        thinking_open = True
+                    send("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                 "delta": {"type": "thinking_delta", "thinking": said.thinking}})
+                    continue
+                if thinking_open and (said.text or said.call is not None or said.finish is not None):
+                    send("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index, thinking_open = index + 1, False
                 if said.text:
                     if not text_open:
                         send("content_block_start", {"type": "content_block_start", "index": index,

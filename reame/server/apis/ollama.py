@@ -169,7 +169,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         text = (system + "\n\n" if system and not fields.boolean("raw", False) else "") + prompt
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = engine.chat_prompt(messages)
+        text = engine.chat_prompt(messages, enable_thinking=think_switch(body, engine))
     request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
                                 suffix=suffix or None, streamed=fields.boolean("stream", True))
     answer(app, handler, engine, name, request, seed, chat=False, stream=fields.boolean("stream", True))
@@ -197,9 +197,11 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     params, seed = options_of(body)
     in_template = engine.backend.template_supports_tools
 
+    enable_thinking = think_switch(body, engine)
+
     def render(conversation: list[dict[str, Any]]) -> str:
         return engine.chat_prompt(template_messages(conversation, tools, in_template),
-                                  tools.tools if tools and in_template else None)
+                                  tools.tools if tools and in_template else None, enable_thinking)
     question = chat_question(messages, render) if app.semantic is not None else None
     stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
@@ -214,13 +216,17 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
     kind = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
     cacheable = request.params.temperature == 0 or seed is not None
     current = turn.start(app, handler, engine, request, tools, cacheable, kind, question,
-                         "messages" if chat else "prompt")
+                         "messages" if chat else "prompt", thinks=engine.backend.template_thinks[0] and
+                         (chat or not request.suffix))
     key = "message" if chat else "response"
 
-    def piece(text: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    def piece(text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict[str, Any]:
         if not chat:
-            return {"model": name, "created_at": now(), "response": text, "done": False}
+            return {"model": name, "created_at": now(), "response": text, "done": False,
+                    **({"thinking": thinking} if thinking else {})}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = [{"function": {"name": call.name, "arguments": call_arguments(call)}}
                                      for call in calls]
@@ -238,8 +244,8 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
                     handler.send_line({**piece(""), **final})
                 elif said.call is not None:
                     handler.send_line(piece("", [said.call]))
-                elif said.text:
-                    handler.send_line(piece(said.text))
+                elif said.text or said.thinking:
+                    handler.send_line(piece(said.text, thinking=said.thinking))
         except OSError:  # the client went away: stop generating for it
             current.handle.cancel()
         return
@@ -247,9 +253,20 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
     if ended is None:
         return  # the client left
     calls, finish = ended
-    whole = piece(current.choice.text, calls)
+    whole = piece(current.choice.text, calls, "".join(current.choice.thinking))
     handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, current.prompt_tokens,
                                                                 current.cached)})
+
+
+def think_switch(body: dict[str, Any], engine: Any) -> bool | None:
+    """`think` (true, false, or a level: "low", "medium", "high") for a model whose template can turn its
+    thinking off; None otherwise (the template's default)."""
+    think = body.get("think")
+    if think is None or not engine.backend.template_thinks[1]:
+        return None
+    if not isinstance(think, (bool, str)):
+        raise HttpError(400, "think must be a boolean or \"low\", \"medium\", \"high\"", param="think")
+    return bool(think)
 
 
 def call_arguments(call: ToolCall) -> Any:

@@ -162,14 +162,32 @@ def chat_completions(app: Service, handler: Handler, _path: str) -> None:
         max_tokens = fields.integer("max_tokens", None, 1, None)
     in_template = engine.backend.template_supports_tools
     # The model's template (or role-prefixed lines without one), and the start of a forced tool call.
+    thinks, switchable = engine.backend.template_thinks
+    enable_thinking = thinking_switch(fields) if switchable else None
+
     def render(messages: list[dict[str, Any]]) -> str:
         prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
-                                    tools.tools if tools and in_template else None)
+                                    tools.tools if tools and in_template else None, enable_thinking)
         return prompt + (tools.prefill if tools is not None else "")
     question = chat_question(messages, render) if app.semantic is not None else None
     generation.generate(app, handler, fields, engine, [render(messages)], max_tokens, chat=True, echo=False,
                         logprobs=logprobs, tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True),
-                        question=question)
+                        question=question, thinks=thinks)
+
+
+def thinking_switch(fields: Fields) -> bool | None:
+    """A thinking model's switch as OpenAI-compatible clients send it: `chat_template_kwargs.enable_thinking`
+    (vLLM's and llama-server's), or `reasoning_effort: "none"` to turn it off; None: the template's default."""
+    kwargs = fields.body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not isinstance(kwargs.get("enable_thinking", False), bool):
+            raise fields.bad("chat_template_kwargs", "an object whose enable_thinking is a boolean")
+        if "enable_thinking" in kwargs:
+            return kwargs["enable_thinking"]
+    effort = fields.body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise fields.bad("reasoning_effort", "a string")
+    return False if effort == "none" else None
 
 
 def encode_vector(vector: list[float], encoding: str) -> list[float] | str:

@@ -133,14 +133,16 @@ def create(app: Service, handler: Handler, _path: str) -> None:
                             param="text.format", code="invalid_value")
         grammar = forced_tool_grammar(tools)
     in_template = engine.backend.template_supports_tools
+    thinks, switchable = engine.backend.template_thinks
     prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
-                                tools.tools if tools and in_template else None)
+                                tools.tools if tools and in_template else None,
+                                reasoning_switch(body) if switchable else None)
     prompt += tools.prefill if tools is not None else ""
     params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
     current = turn.start(app, handler, engine, request, tools, params.temperature == 0,
-                         "chat" + ("+tools" if tools is not None else ""), prompt_param="input")
+                         "chat" + ("+tools" if tools is not None else ""), prompt_param="input", thinks=thinks)
     reply = Reply(app, handler, body, model or app.settings.model_id, current, messages,
                   fields.boolean("store", True), previous)
     if stream:
@@ -149,6 +151,18 @@ def create(app: Service, handler: Handler, _path: str) -> None:
         ended = turn.whole(app, handler, current)
         if ended is not None:
             handler.send_json(200, reply.finished(*ended))
+
+
+def reasoning_switch(body: dict[str, Any]) -> bool | None:
+    """`reasoning.effort`: "none" turns a thinking model's thinking off; anything else leaves the template's
+    default."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict) or not isinstance(reasoning.get("effort", ""), (str, type(None))):
+        raise HttpError(400, "'reasoning' must be an object like {\"effort\": \"low\"}", param="reasoning",
+                        code="invalid_type")
+    return False if reasoning.get("effort") == "none" else None
 
 
 class Reply:
@@ -196,8 +210,10 @@ class Reply:
 
     def finished(self, calls: list[ToolCall], finish: FinishEvent) -> dict[str, Any]:
         """The whole response (stored for previous_response_id unless `store` is false)."""
-        text = self.turn.choice.text
-        output = ([self.message_item(text)] if text or not calls else []) + [self.call_item(call) for call in calls]
+        text, thinking = self.turn.choice.text, "".join(self.turn.choice.thinking)
+        output = ([{"type": "reasoning", "id": "rs_" + self.message_id[4:], "summary": [],
+                    "content": [{"type": "reasoning_text", "text": thinking}]}] if thinking else []) + \
+            ([self.message_item(text)] if text or not calls else []) + [self.call_item(call) for call in calls]
         response = self.envelope("completed", output, finish)
         if self.store:
             answer: dict[str, Any] = {"role": "assistant", "content": text}
