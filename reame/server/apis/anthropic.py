@@ -267,7 +267,7 @@ class Reply:
                     usage = self.usage(said.finish)
                     send("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
                                                                               "stop_sequence": sequence},
-                                           "usage": {"output_tokens": usage["output_tokens"]}})
+                                           "usage": usage})  # cumulative, as Anthropic's now are
                     send("message_stop", {"type": "message_stop"})
         except OSError:  # the client went away: stop generating for it
             self.turn.handle.cancel()
