@@ -20,7 +20,7 @@ from reame.model.sampling import MAX_SEED
 from reame.server.answers import AnswerTap, StoredAnswer
 from reame.server.http import Handler, HttpError
 from reame.server.semantic import Lookup, Question, look_up
-from reame.server.service import POLL_S, Service, refusal
+from reame.server.service import POLL_S, Service, failure, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
                                      semantic_cache_allowed, stream_usage)
@@ -217,14 +217,12 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
         if choice.parser is not None:  # the text becomes content and tool calls
             said = choice.parser.feed(choice.text) + choice.parser.finish()
             choice.pieces = [item for kind, item in said if kind == "content"]
-    if any(c.finish and c.finish.reason == "timeout" for c in choices):
-        raise HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
-                        "server_error", "queue_timeout", headers={"Retry-After": "5"})
-    failed = next((c.finish for c in choices if c.finish and c.finish.reason == "error"), None)
-    if failed is not None and failed.code:  # the request's own doing (its grammar): the client can fix it
-        raise HttpError(400, failed.message, code=failed.code)
-    if failed is not None:
-        raise HttpError(500, f"generation failed: {failed.message}", "server_error", "generation_failed")
+    # A timeout first (a retry may succeed), then an error.
+    for reason in ("timeout", "error"):
+        ended = next((c.finish for c in choices if c.finish and c.finish.reason == reason), None)
+        failed = failure(ended) if ended is not None else None
+        if failed is not None:
+            raise failed
     if ballot is None:
         body = response.whole(choices, prompt_tokens)
         if marks:

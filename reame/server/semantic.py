@@ -11,14 +11,13 @@ from typing import Any
 from reame.engine import Engine, SamplingParams
 from reame.errors import ReameError
 from reame.semantic import MAX_QUESTION_CHARS, Match, canonical
-from reame.server.http import Handler
-from reame.server.service import POLL_S, Service
+from reame.server.http import Handler, HttpError
+from reame.server.service import Service
 
 log = logging.getLogger("reame.server")
 
 # Holds the question's place in the rendered conversation: the scope is the conversation around it.
 PLACEHOLDER = "\u2063[reame: the question]\u2063"
-EMBEDDING_WAIT_S = 30.0  # the served model embeds between its steps; past this the lookup is skipped
 
 
 @dataclass(frozen=True)
@@ -52,25 +51,17 @@ def look_up(app: Service, engine: Engine, handler: Handler, question: Question, 
     try:
         embedder = app.semantic.embedder
         text = canonical(question.text)
-        vector = embedder.embed(text) if embedder else served_embedding(app, engine, handler, text)
-    except (ReameError, TimeoutError) as error:
+        if embedder is not None:
+            vector = embedder.embed(text)
+        else:  # the served model's embedding, computed by its engine between steps
+            tokens = engine.backend.tokenize(text, add_special=True, parse_special=False)
+            vectors = app.embeddings(handler, engine, [tokens[:engine.backend.embedding_context_tokens]])
+            if vectors is None:
+                return None  # the client left
+            vector = vectors[0]
+    except (ReameError, HttpError) as error:
         log.warning("semantic cache: the question was not embedded (%s)", error)
-        return None
-    if vector is None:
         return None
     index = app.semantic.index
     scope = index.scope(question.context, params, shape)
     return Lookup(scope, question.text, vector, index.find(scope, question.text, vector))
-
-
-def served_embedding(app: Service, engine: Engine, handler: Handler, text: str) -> list[float] | None:
-    """The served model's embedding of `text`, computed by its engine between steps (None: the client left)."""
-    tokens = engine.backend.tokenize(text, add_special=True, parse_special=False)
-    job = engine.embed([tokens[:engine.backend.embedding_context_tokens]])
-    waited = 0.0
-    while not job.done.wait(POLL_S):
-        app.check_engine()
-        waited += POLL_S
-        if handler.client_gone() or waited >= EMBEDDING_WAIT_S:
-            return None
-    return job.result(0)[0]

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from reame.engine import Engine
+from reame.engine import Engine, FinishEvent
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.answers import AnswerCache
 from reame.semantic import SemanticCache
@@ -141,6 +141,18 @@ def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestE
     if isinstance(error, EngineUnavailable):
         return HttpError(503, str(error), "server_error", "engine_unavailable", headers={"Retry-After": "5"})
     return error
+
+
+def failure(finish: FinishEvent) -> HttpError | None:
+    """The HTTP error of an answer that failed or timed out (None for one that ended well)."""
+    if finish.reason == "timeout":
+        return HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
+                         "server_error", "queue_timeout", headers={"Retry-After": "5"})
+    if finish.reason == "error":
+        if finish.code:  # the request's own doing (its grammar): the client can fix it
+            return HttpError(400, finish.message, code=finish.code)
+        return HttpError(500, f"generation failed: {finish.message}", "server_error", "generation_failed")
+    return None
 
 
 def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt") -> HttpError:

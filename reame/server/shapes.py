@@ -34,7 +34,8 @@ class Choice:
             return "", text
         parts = self.thinker.feed(text) + (self.thinker.finish() if final else [])
         thinking = "".join(part for kind, part in parts if kind == "thinking")
-        self.thinking.append(thinking)
+        if thinking:
+            self.thinking.append(thinking)
         return thinking, "".join(part for kind, part in parts if kind == "content")
 
     @property

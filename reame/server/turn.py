@@ -14,10 +14,11 @@ from reame.errors import OverloadedError, RequestError
 from reame.server.generation import StoredAnswer, submit
 from reame.server.http import Handler, HttpError
 from reame.server.semantic import Question
-from reame.server.service import Service, refusal
+from reame.server.service import Service, failure, refusal
 from reame.server.shapes import Choice
 from reame.structured.thinking import ThinkingSplitter
-from reame.structured.tools import ToolCall, ToolRequest, tool_parser
+from reame.structured.requested import forced_tool_grammar
+from reame.structured.tools import ToolCall, ToolRequest, template_messages, tool_parser
 
 
 @dataclass
@@ -42,6 +43,27 @@ class Turn:
     def cached(self) -> bool:
         """Answered from a cache: no token was generated for it."""
         return isinstance(self.handle, StoredAnswer)
+
+
+def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: ToolRequest | None,
+                enable_thinking: bool | None = None) -> str:
+    """A chat turn's prompt: the model's template over `messages` (tools laid out by the template, or described
+    in a message of Reame's when it has no place for them), then the start of a forced tool call."""
+    in_template = engine.backend.template_supports_tools
+    prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
+                                tools.tools if tools and in_template else None, enable_thinking)
+    return prompt + (tools.prefill if tools is not None else "")
+
+
+def answer_grammar(tools: ToolRequest | None, requested: str | None, field: str) -> str | None:
+    """The grammar an answer follows: a forced tool call's, else the one the request asked for in `field`;
+    both is a 400 naming that field."""
+    if tools is None or tools.forced is None:
+        return requested
+    if requested is not None:
+        raise HttpError(400, f"a forced tool call already fixes the answer's shape: drop {field}",
+                        param=field.split(".")[0], code="invalid_value")
+    return forced_tool_grammar(tools)
 
 
 def start(app: Service, handler: Handler, engine: Engine, request: GenerationRequest, tools: ToolRequest | None,
@@ -110,15 +132,3 @@ def whole(app: Service, handler: Handler, turn: Turn) -> tuple[list[ToolCall], F
     if failed is not None:
         raise failed
     return calls, finish
-
-
-def failure(finish: FinishEvent) -> HttpError | None:
-    """The HTTP error of an answer that failed or timed out (None for one that ended well)."""
-    if finish.reason == "timeout":
-        return HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
-                         "server_error", "queue_timeout", headers={"Retry-After": "5"})
-    if finish.reason == "error":
-        if finish.code:  # the request's own doing (its grammar): the client can fix it
-            return HttpError(400, finish.message, code=finish.code)
-        return HttpError(500, f"generation failed: {finish.message}", "server_error", "generation_failed")
-    return None

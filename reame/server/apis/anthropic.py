@@ -18,11 +18,12 @@ from reame.engine import FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.service import Service
+from reame.server.generation import shape
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, sampling_params
 from reame.structured.json_schema import schema_to_gbnf
-from reame.structured.requested import checked, forced_tool_grammar
-from reame.structured.tools import ToolCall, ToolRequest, template_messages, tool_request
+from reame.structured.requested import checked
+from reame.structured.tools import ToolCall, ToolRequest, tool_request
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -126,11 +127,8 @@ def thinking_switch(body: dict[str, Any], switchable: bool) -> bool | None:
 def prompt_of(app: Service, body: dict[str, Any]) -> tuple[str, ToolRequest | None]:
     engine = app.ready_engine()
     tools = tools_of(body)
-    in_template = engine.backend.template_supports_tools
-    prompt = engine.chat_prompt(template_messages(conversation(body), tools, in_template),
-                                tools.tools if tools and in_template else None,
-                                thinking_switch(body, engine.backend.template_thinks[1]))
-    return prompt + (tools.prefill if tools is not None else ""), tools
+    return turn.chat_prompt(engine, conversation(body), tools,
+                            thinking_switch(body, engine.backend.template_thinks[1])), tools
 
 
 def messages(app: Service, handler: Handler, _path: str) -> None:
@@ -147,16 +145,10 @@ def messages(app: Service, handler: Handler, _path: str) -> None:
     sampling = Fields({"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                        "top_k": body.get("top_k", 0), "stop": body.get("stop_sequences")})
     params = sampling_params(sampling, max_tokens, None)
-    grammar = output_grammar(body.get("output_config"))
-    if tools is not None and tools.forced is not None:
-        if grammar is not None:
-            raise HttpError(400, "a forced tool call already fixes the answer's shape: drop output_config.format",
-                            param="output_config")
-        grammar = forced_tool_grammar(tools)
+    grammar = turn.answer_grammar(tools, output_grammar(body.get("output_config")), "output_config.format")
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    kind = "chat" + ("+tools" if tools is not None else "")
-    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, kind,
+    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, shape(True, tools),
                          thinks=engine.backend.template_thinks[0])
     reply = Reply(model, current)
     if stream:
@@ -257,7 +249,7 @@ class Reply:
                     send("content_block_stop", {"type": "content_block_stop", "index": index})
                     index, calls = index + 1, True
                 elif said.finish is not None:
-                    failed = turn.failure(said.finish)
+                    failed = failure(said.finish)
                     if failed is not None:
                         send("error", error_body(failed))
                         return

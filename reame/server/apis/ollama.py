@@ -28,11 +28,12 @@ from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
-from reame.server.service import Service
+from reame.server.generation import shape
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
-from reame.structured.tools import ToolCall, template_messages, tool_request
+from reame.structured.tools import ToolCall, tool_request
 
 log = logging.getLogger("reame.server")
 
@@ -195,13 +196,10 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     messages = chat_messages(converted)
     tools = tool_request({"tools": body["tools"]}) if body.get("tools") else None
     params, seed = options_of(body)
-    in_template = engine.backend.template_supports_tools
-
     enable_thinking = think_switch(body, engine)
 
     def render(conversation: list[dict[str, Any]]) -> str:
-        return engine.chat_prompt(template_messages(conversation, tools, in_template),
-                                  tools.tools if tools and in_template else None, enable_thinking)
+        return turn.chat_prompt(engine, conversation, tools, enable_thinking)
     question = chat_question(messages, render) if app.semantic is not None else None
     stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
@@ -213,7 +211,7 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
            chat: bool, stream: bool, tools: Any = None, question: Any = None) -> None:
     """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
     started = time.perf_counter()
-    kind = ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
+    kind = shape(chat, tools)
     cacheable = request.params.temperature == 0 or seed is not None
     current = turn.start(app, handler, engine, request, tools, cacheable, kind, question,
                          "messages" if chat else "prompt", thinks=engine.backend.template_thinks[0] and
@@ -237,7 +235,7 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
             for said in turn.said(app, handler, current):
                 if said.finish is not None:
                     final = closing(said.finish, started, current.prompt_tokens, current.cached)
-                    failed = turn.failure(said.finish)
+                    failed = failure(said.finish)
                     if failed is not None:
                         handler.send_line({"error": failed.message})
                         return

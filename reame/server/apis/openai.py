@@ -11,15 +11,15 @@ import sys
 from typing import Any
 
 from reame.engine import FinishEvent, GenerationRequest
-from reame.server import generation
+from reame.server import generation, turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
 from reame.server.service import POLL_S, Service
 from reame.server.validation import (Fields, best_of, chat_messages, check_model, completion_prompts,
                                      embedding_inputs)
-from reame.structured.requested import forced_tool_grammar, requested_grammar
-from reame.structured.tools import template_messages, tool_request
+from reame.structured.requested import requested_grammar
+from reame.structured.tools import tool_request
 
 
 def models(app: Service, handler: Handler, _path: str) -> None:
@@ -150,25 +150,16 @@ def chat_completions(app: Service, handler: Handler, _path: str) -> None:
     if top_logprobs is not None and logprobs is None:
         raise HttpError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs",
                         code="invalid_value")
-    grammar = requested_grammar(fields.body)
-    if tools is not None and tools.forced is not None:
-        if grammar is not None:
-            raise HttpError(400, "a forced tool call already fixes the answer's shape: drop response_format",
-                            param="response_format", code="invalid_value")
-        grammar = forced_tool_grammar(tools)
+    grammar = turn.answer_grammar(tools, requested_grammar(fields.body), "response_format")
     messages = chat_messages(fields.body.get("messages"))
     max_tokens = fields.integer("max_completion_tokens", None, 1, None)
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, 1, None)
-    in_template = engine.backend.template_supports_tools
-    # The model's template (or role-prefixed lines without one), and the start of a forced tool call.
     thinks, switchable = engine.backend.template_thinks
     enable_thinking = thinking_switch(fields) if switchable else None
 
     def render(messages: list[dict[str, Any]]) -> str:
-        prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
-                                    tools.tools if tools and in_template else None, enable_thinking)
-        return prompt + (tools.prefill if tools is not None else "")
+        return turn.chat_prompt(engine, messages, tools, enable_thinking)
     question = chat_question(messages, render) if app.semantic is not None else None
     generation.generate(app, handler, fields, engine, [render(messages)], max_tokens, chat=True, echo=False,
                         logprobs=logprobs, tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True),

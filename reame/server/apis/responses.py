@@ -17,10 +17,11 @@ from reame.engine import FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.service import Service
+from reame.server.generation import shape
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, sampling_params
-from reame.structured.requested import forced_tool_grammar, requested_grammar
-from reame.structured.tools import ToolCall, ToolRequest, template_messages, tool_request
+from reame.structured.requested import requested_grammar
+from reame.structured.tools import ToolCall, ToolRequest, tool_request
 
 ROLES = ("user", "assistant", "system", "developer")
 
@@ -126,23 +127,14 @@ def create(app: Service, handler: Handler, _path: str) -> None:
     messages = chat_messages(([{"role": "system", "content": instructions}] if instructions else []) + earlier +
                              item_messages(body.get("input")))
     tools = tools_of(body)
-    grammar = text_format(body)
-    if tools is not None and tools.forced is not None:
-        if grammar is not None:
-            raise HttpError(400, "a forced tool call already fixes the answer's shape: drop text.format",
-                            param="text.format", code="invalid_value")
-        grammar = forced_tool_grammar(tools)
-    in_template = engine.backend.template_supports_tools
+    grammar = turn.answer_grammar(tools, text_format(body), "text.format")
     thinks, switchable = engine.backend.template_thinks
-    prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
-                                tools.tools if tools and in_template else None,
-                                reasoning_switch(body) if switchable else None)
-    prompt += tools.prefill if tools is not None else ""
+    prompt = turn.chat_prompt(engine, messages, tools, reasoning_switch(body) if switchable else None)
     params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    current = turn.start(app, handler, engine, request, tools, params.temperature == 0,
-                         "chat" + ("+tools" if tools is not None else ""), prompt_param="input", thinks=thinks)
+    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, shape(True, tools),
+                         prompt_param="input", thinks=thinks)
     reply = Reply(app, handler, body, model or app.settings.model_id, current, messages,
                   fields.boolean("store", True), previous)
     if stream:
@@ -262,7 +254,7 @@ class Reply:
                     self.send("response.output_item.done", output_index=output_index, item=item)
                     output_index += 1
                 elif said.finish is not None:
-                    failed = turn.failure(said.finish)
+                    failed = failure(said.finish)
                     if failed is not None:
                         self.send("error", code=failed.code, message=failed.message, param=None)
                         return
