@@ -144,10 +144,11 @@ def speculation_counts(port: int, source: str) -> dict[str, float]:
     connection.close()
     counts = dict.fromkeys(("drafted", "accepted", "all drafted", "all accepted", "steps"), 0.0)
     for what in ("drafted", "accepted"):
-        for name, value in re.findall(rf'^reame_spec_decode_{what}_total{{source="(\w+)"}} (\S+)$', text, re.M):
+        for name, value in re.findall(rf'^reame_spec_decode_{what}_total{{model="[^"]*",source="(\w+)"}} (\S+)$',
+                                      text, re.M):
             counts[f"all {what}"] += float(value)
             if name == source:
                 counts[what] += float(value)
-    steps = re.search(r'^reame_spec_decode_steps_total{kind="speculative"} (\S+)$', text, re.M)
-    counts["steps"] = float(steps.group(1)) if steps else 0.0
+    counts["steps"] = sum(map(float, re.findall(r'^reame_spec_decode_steps_total{kind="speculative",model="[^"]*"} '
+                                                r'(\S+)$', text, re.M)))
     return counts

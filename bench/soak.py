@@ -59,7 +59,8 @@ def metric(port: int, name: str) -> float:
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     connection.close()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))  # every model's
 
 
 class Tally:

@@ -167,12 +167,19 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
 
 
 def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCache | None:
-    """The exact answer cache: RAM (`ram`: a server's, not a one-shot prompt's), then this machine's disk,
-    then the store `arca.remote` names (ARCA or a real Redis) if any; None when cache.answers is off."""
+    """The exact answer cache of one model (see answer_tiers); None when cache.answers is off."""
+    tiers = answer_tiers(settings, ram)
+    return AnswerCache(tiers, fingerprint) if tiers else None
+
+
+def answer_tiers(settings: Settings, ram: bool) -> list[AnswerTier]:
+    """Where exact answers are kept: RAM (`ram`: a server's, not a one-shot prompt's), then this machine's disk,
+    then the store `arca.remote` names (ARCA or a real Redis) if any; none when cache.answers is off. The
+    models of one server share them (their keys hold each model's fingerprint) and so their budgets."""
     options = settings.answers
     if not options.enabled:
         log.info("exact answers are not kept (cache.answers = false)")
-        return None
+        return []
     tiers: list[AnswerTier] = [RamAnswers(options.ram_budget_bytes)] if ram and options.ram_budget_bytes else []
     if options.disk_budget_bytes:
         try:
@@ -184,21 +191,22 @@ def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCac
         store = shared_store(settings)
         log.info("exact answers are shared through %s", store_description(settings))
         tiers.append(SharedAnswers(store, settings.arca.answer_ttl_ms))
-    return AnswerCache(tiers, fingerprint) if tiers else None
+    return tiers
 
 
-def semantic_cache(settings: Settings, fingerprint: bytes, answers: AnswerCache | None) -> SemanticCache | None:
-    """The semantic answer cache if cache.semantic is on, with its embedding model loaded; None, with a
-    warning, without the exact answer cache it keeps answers in or the model: a cache is a speed-up."""
+def semantic_caches(settings: Settings, models: list[tuple[bytes, AnswerCache | None]]) -> list[SemanticCache | None]:
+    """Each model's semantic answer cache (for its fingerprint and exact answer cache) if cache.semantic is
+    on, all with one embedding model, loaded here; None for a model without the exact answer cache the
+    semantic one keeps answers in, and for all, with a warning, when the embedding model does not load: a
+    cache is a speed-up."""
     options = settings.semantic
     if not options.enabled:
-        return None
+        return [None] * len(models)
     from reame.semantic import SemanticCache, SemanticIndex  # only a server with the cache on loads it
-    if answers is None:
+    if all(answers is None for _, answers in models):
         log.warning("the semantic cache is off: it keeps its answers in the exact answer cache, which is off")
-        return None
+        return [None] * len(models)
     embedder = None
-    identity = fingerprint.hex()
     if options.model == SERVED_EMBEDDINGS:
         log.warning("semantic cache: the served model's own embeddings gave wrong answers at every threshold in "
                     "bench/semantic_cache.py; an embedding model (cache.semantic_model) is safer")
@@ -208,13 +216,13 @@ def semantic_cache(settings: Settings, fingerprint: bytes, answers: AnswerCache 
             embedder = ModelEmbedder(resolve_model(options.model, progress_stream())[0])
         except ReameError as error:
             log.warning("the semantic cache is off: cannot load its embedding model %s (%s)", options.model, error)
-            return None
-        identity = embedder.identity
-    store = shared_store(settings) if settings.arca.remote else None
+            return [None] * len(models)
     log.info("semantic cache: questions within cosine %.2f of an answered one, embedded by %s%s",
-             options.threshold, options.model, ", shared through the store" if store else "")
-    return SemanticCache(SemanticIndex(fingerprint, identity, options.threshold, store, settings.arca.answer_ttl_ms),
-                         embedder)
+             options.threshold, options.model, ", shared through the store" if settings.arca.remote else "")
+    return [SemanticCache(SemanticIndex(fingerprint, embedder.identity if embedder else fingerprint.hex(),
+                                        options.threshold, shared_store(settings) if settings.arca.remote else None,
+                                        settings.arca.answer_ttl_ms), embedder)
+            if answers is not None else None for fingerprint, answers in models]
 
 
 def shared_store(settings: Settings) -> StoreCommands:

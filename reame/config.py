@@ -85,6 +85,15 @@ KEYS: tuple[Key, ...] = (
         "best_of counts); more get 429", minimum=1),
     Key("server.max_answer_tokens", "int", 4096, "the most tokens one answer gets, whatever its request asks "
         "(a larger max_tokens is clamped: finish_reason length); 0 = what the context leaves", minimum=0),
+    Key("server.models", "str", "", "more models this server serves besides the one it starts with: "
+        "comma-separated catalog names or .gguf paths, each optionally named first (NAME=SOURCE, and more "
+        "names with |: coder|qwen=qwen2.5-coder-0.5b); a request's model picks one"),
+    Key("server.max_loaded_models", "int", 3, "models loaded at once at most; a request for another waits "
+        "until the least recently used idle one is unloaded", minimum=1),
+    Key("server.models_ram_mb", "int", 0, "memory the loaded models may take together (weights, KV, buffers: "
+        "estimated); 0 = 80% of the memory available at start", minimum=0),
+    Key("server.keep_alive_seconds", "float", 300, "an idle model other than the first is unloaded after this "
+        "long (Ollama's keep_alive, which a request may set); -1 = never", minimum=-1),
     Key("server.max_sessions", "int", 256, "sessions the server holds in all; creating more gets 429", minimum=1),
     Key("server.max_sessions_per_key", "int", 32, "sessions one API key may hold; creating more gets 429",
         minimum=1),

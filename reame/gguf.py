@@ -159,3 +159,25 @@ def architecture_facts(metadata: dict[str, Any]) -> dict[str, int]:
         "value_size": int(value_size),
         "context_train": int(get("context_length") or 0),
     }
+
+
+# llama.cpp's llama_ftype: what general.file_type says of a file's quantization.
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+              26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+              36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
+LABEL_CHARACTERS = 32  # the most of a header's free text (a size label, an architecture) we repeat
+
+
+def model_summary(metadata: dict[str, Any]) -> dict[str, str | int]:
+    """What a model list says of a file without loading it: architecture, quantization ("Q4_K_M"), size
+    label ("135M", "unknown" when absent) and trained context."""
+    arch = metadata.get("general.architecture")
+    file_type = metadata.get("general.file_type")
+    label = metadata.get("general.size_label")
+    trained = metadata.get(f"{arch}.context_length") if isinstance(arch, str) else None
+    return {"architecture": arch[:LABEL_CHARACTERS] if isinstance(arch, str) and arch else "unknown",
+            "quantization": FILE_TYPES.get(file_type, "unknown") if isinstance(file_type, int) else "unknown",
+            "parameter_size": label[:LABEL_CHARACTERS] if isinstance(label, str) and label else "unknown",
+            "context_train": trained if isinstance(trained, int) and trained >= 0 else 0}

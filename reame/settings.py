@@ -35,6 +35,14 @@ class MemoryOptions:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """A model server.models names: where it comes from, and what requests call it ("" = its own name)."""
+
+    source: str  # a catalog name or a .gguf path
+    names: tuple[str, ...] = ()  # the first is its id; the others are aliases
+
+
+@dataclass(frozen=True)
 class SessionLimits:
     """What named sessions may cost (server/sessions.py)."""
 
@@ -67,6 +75,10 @@ class ServerOptions:
     sessions: SessionLimits
     request_logging: bool
     metrics: bool
+    models: tuple[ModelSpec, ...]  # served besides the first (model.path)
+    max_loaded_models: int
+    models_ram_bytes: int  # 0: chosen at start
+    keep_alive_s: float  # negative: never
 
 
 @dataclass(frozen=True)
@@ -181,7 +193,10 @@ def from_values(values: dict[str, Value]) -> Settings:
             max_answer_tokens=get("server.max_answer_tokens"),
             sessions=SessionLimits(get("server.max_sessions_per_key"), get("server.max_sessions"),
                                    int(get("server.sessions_ram_mb") * 2**20), get("server.session_idle_hours") * 3600),
-            request_logging=get("server.request_logging"), metrics=get("server.metrics")),
+            request_logging=get("server.request_logging"), metrics=get("server.metrics"),
+            models=model_specs(get("server.models"), values["server.models"].origin),
+            max_loaded_models=get("server.max_loaded_models"), models_ram_bytes=get("server.models_ram_mb") << 20,
+            keep_alive_s=get("server.keep_alive_seconds")),
         cache=CacheOptions(
             enabled=get("cache.enabled"),
             directory=Path(cache_dir).expanduser() if cache_dir else cache_root() / "kv",
@@ -230,3 +245,22 @@ def api_keys(listed: str, key_file: str) -> tuple[str, ...]:
             raise ConfigError(f"cannot read server.api_key_file {key_file}: {error}") from None
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     return tuple(keys)
+
+
+MAX_MODEL_NAME = 100
+
+
+def model_specs(listed: str, origin: str) -> tuple[ModelSpec, ...]:
+    """server.models: comma-separated SOURCE or NAME[|ALIAS…]=SOURCE; ConfigError naming the bad entry."""
+    specs = []
+    for entry in (part.strip() for part in listed.split(",")):
+        if not entry:
+            continue
+        named, equals, source = entry.partition("=") if "=" in entry else ("", "", entry)
+        names = tuple(name.strip() for name in named.split("|")) if equals else ()  # a path may hold "="
+        source = source.strip()
+        if not source or any(not name or len(name) > MAX_MODEL_NAME or not name.isprintable() for name in names):
+            raise ConfigError(f"{origin}: server.models entry '{entry}' must be SOURCE or NAME[|ALIAS…]=SOURCE, "
+                              f"names printable and at most {MAX_MODEL_NAME} characters")
+        specs.append(ModelSpec(source, names))
+    return tuple(specs)

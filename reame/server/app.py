@@ -11,66 +11,76 @@ from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import anthropic, ollama, openai, responses, sessions
 from reame.server.http import Handler, HttpError, ServerSettings
-from reame.answers import AnswerCache
-from reame.semantic import SemanticCache
 from reame.server.metrics import Metrics, Sample
+from reame.server.models import ModelPool
 from reame.server.routes import Route, Router
 from reame.server.service import Service, as_http_error
-from reame.server.sessions import SessionError, Sessions
+from reame.server.sessions import SessionError
+from reame.speculative import Speculation
 
 log = logging.getLogger("reame.server")
 WEB_PAGE = resources.files("reame.web").joinpath("index.html").read_bytes()
 
 
 class App(Service):
-    """Routes requests to the engine. `engine` is None while the model loads (/health says 503)."""
+    """Routes requests to the served models. Until the first model has loaded, /health says 503."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
-                 sessions: Sessions | None = None, answers: AnswerCache | None = None,
-                 semantic: SemanticCache | None = None) -> None:
-        super().__init__(settings, metrics, sessions, answers, semantic)
+    def __init__(self, settings: ServerSettings, models: ModelPool, metrics: Metrics | None = None) -> None:
+        super().__init__(settings, models, metrics)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
 
     def cache_samples(self) -> list[Sample]:
-        cache = self.engine.cache if self.engine is not None else None
-        stats = cache.stats() if cache is not None else dict.fromkeys({**prefix.STATS, **prefix.GAUGES}, 0)
-        shared = cache.remote_stats() if cache is not None else {}
-        return [Sample(f"reame_prefix_cache_{name}_total", "counter", text, {}, stats[name])
-                for name, text in prefix.STATS.items()] + \
-            [Sample(f"reame_prefix_cache_{name}", "gauge", text, {}, stats[name])
-             for name, text in prefix.GAUGES.items()] + \
-            [Sample(f"reame_kv_remote_{name}_total", "counter", text, {}, shared[name])
-             for name, text in remote.STATS.items() if shared]
+        """Each loaded model's prefix cache (and its share of a fleet's store), labelled with the model."""
+        samples = []
+        for model in self.models.loaded():
+            cache = model.engine.cache if model.engine is not None else None
+            if cache is None:
+                continue
+            labels = {"model": model.name}
+            stats, shared = cache.stats(), cache.remote_stats()
+            samples += [Sample(f"reame_prefix_cache_{name}_total", "counter", text, labels, stats[name])
+                        for name, text in prefix.STATS.items()]
+            samples += [Sample(f"reame_prefix_cache_{name}", "gauge", text, labels, stats[name])
+                        for name, text in prefix.GAUGES.items()]
+            samples += [Sample(f"reame_kv_remote_{name}_total", "counter", text, labels, shared[name])
+                        for name, text in remote.STATS.items() if shared]
+        return samples
 
     def speculation_samples(self) -> list[Sample]:
-        speculation = self.engine.speculation if self.engine is not None else None
-        if speculation is None:
-            return []
+        samples = []
+        for model in self.models.loaded():
+            speculation = model.engine.speculation if model.engine is not None else None
+            if speculation is not None:
+                samples += self.model_speculation_samples(speculation, model.name)
+        return samples
+
+    @staticmethod
+    def model_speculation_samples(speculation: Speculation, name: str) -> list[Sample]:
         stats = speculation.stats.snapshot()
         samples = []
         for source, counts in sorted(stats.sources.items()):
             for what, value in (("drafted", counts.drafted), ("accepted", counts.accepted)):
-                samples.append(Sample(f"reame_spec_decode_{what}_total", "counter",
-                                      f"draft tokens {what}, by draft source", {"source": source}, value))
+                samples.append(Sample(f"reame_spec_decode_{what}_total", "counter", f"draft tokens {what}, by draft "
+                                      "source", {"model": name, "source": source}, value))
         for kind, value in (("plain", stats.steps_plain), ("speculative", stats.steps_speculative)):
             samples.append(Sample("reame_spec_decode_steps_total", "counter", "engine steps with and without drafts",
-                                  {"kind": kind}, value))
+                                  {"model": name, "kind": kind}, value))
         for position, (drafted, accepted) in enumerate(zip(stats.drafted_at, stats.accepted_at)):
             if position and drafted:
                 samples.append(Sample("reame_spec_decode_acceptance", "gauge",
                                       "share of drafts at this position the model accepted",
-                                      {"position": str(position)}, accepted / drafted))
-        samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft", {},
-                              stats.last_draft_length))
+                                      {"model": name, "position": str(position)}, accepted / drafted))
+        samples.append(Sample("reame_spec_decode_draft_length", "gauge", "tokens in the latest draft",
+                              {"model": name}, stats.last_draft_length))
         for source, seconds in sorted(speculation.seconds_per_draft().items()):
             samples.append(Sample("reame_spec_decode_draft_seconds_per_token", "gauge",
-                                  "recent drafting time per drafted token, by draft source", {"source": source},
-                                  seconds))
+                                  "recent drafting time per drafted token, by draft source",
+                                  {"model": name, "source": source}, seconds))
         for source, acceptance in sorted(speculation.acceptance().items()):
             samples.append(Sample("reame_spec_decode_source_acceptance", "gauge",
                                   "recent acceptance per draft token, verified or guessed, by draft source",
-                                  {"source": source}, acceptance))
+                                  {"model": name, "source": source}, acceptance))
         return samples
 
     def count_response(self, status: int) -> None:
@@ -87,7 +97,10 @@ class App(Service):
             if handler.command not in route.methods:
                 raise HttpError(405, f"{handler.command} is not allowed here; use {' or '.join(route.methods)}",
                                 code="method_not_allowed", headers={"Allow": ", ".join(route.methods)})
-            route.handler(self, handler, path)
+            try:
+                route.handler(self, handler, path)
+            finally:
+                self.release_models(handler)
         except (HttpError, SessionError, EngineUnavailable, RequestError) as error:
             handler.discard_body()  # before answering: the client may still be sending it
             answer_error(handler, route, as_http_error(error))
@@ -107,10 +120,12 @@ class App(Service):
     def health(self, handler: Handler, _path: str = "/health") -> None:
         """Liveness, and whether the other endpoints need a key (the web page asks for one only then)."""
         auth = bool(self.settings.api_keys)
-        if self.engine is None:
+        dead = [(model.name, model.engine.status.dead) for model in self.models.loaded()
+                if model.engine is not None and model.engine.status.dead]
+        if not self.ready:
             handler.send_json(503, {"status": "loading", "auth": auth}, {"Retry-After": "5"})
-        elif self.engine.status.dead:
-            handler.send_json(503, {"status": "error", "message": self.engine.status.dead, "auth": auth})
+        elif dead:
+            handler.send_json(503, {"status": "error", "message": dead[0][1], "model": dead[0][0], "auth": auth})
         else:
             handler.send_json(200, {"status": "ok", "auth": auth})
 
@@ -125,7 +140,7 @@ class App(Service):
         """Every metric as JSON, with the model and the server's clock: what the dashboard polls."""
         if not self.settings.metrics:
             raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
-        handler.send_json(200, {"model": self.settings.model_id, "time": time.time(),
+        handler.send_json(200, {"model": self.models.default.name, "time": time.time(),
                                 "samples": self.metrics.as_json()})
 
     def metrics_text(self, handler: Handler, _path: str) -> None:

@@ -20,7 +20,8 @@ from reame.model.sampling import MAX_SEED
 from reame.server.answers import AnswerTap, StoredAnswer
 from reame.server.http import Handler, HttpError
 from reame.server.semantic import Lookup, Question, look_up
-from reame.server.service import POLL_S, Service, failure, refusal
+from reame.server.models import ServedModel
+from reame.server.service import POLL_S, Service, failure, loaded, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
                                      semantic_cache_allowed, stream_usage)
@@ -33,13 +34,14 @@ from reame.structured.tools import ToolRequest, tool_parser
 CACHE_HEADER = "X-Reame-Cache"
 
 
-def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, prompts: list[Any],
+def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel, prompts: list[Any],
              max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
              tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
              elect_among: int = 1, question: Question | None = None, thinks: bool = False) -> None:
     """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts;
     `question`: the chat's last question, for the semantic cache; `thinks`: the model thinks in
     <think>…</think> (its answers are split into reasoning_content and content)."""
+    engine = loaded(model)
     n = fields.integer("n", 1, 1, MAX_CHOICES)
     assert n is not None
     if len(prompts) * max(n, elect_among) > MAX_CHOICES:
@@ -51,7 +53,7 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
     if elect_among > 1 and stream:
         raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
                         "streamed", param="best_of", code="unsupported_parameter")
-    reserved = session_for(app, handler.owner, fields, max(n, elect_among), prompts)
+    reserved = session_for(model, handler.owner, fields, max(n, elect_among), prompts)
     session = reserved[1] if reserved else None
 
     released = False
@@ -63,7 +65,7 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         nonlocal released
         if reserved and not released:
             released = True
-            app.ready_sessions().release(handler.owner, reserved[0])
+            app.ready_sessions(model).release(handler.owner, reserved[0])
     try:
         sink: queue.SimpleQueue = queue.SimpleQueue()
         base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
@@ -75,7 +77,7 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         cacheable = len(requests) == 1 and session is None and logprobs is None and \
             (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
         try:
-            submitted = submit(app, handler, engine, requests, sink, cacheable, shape(chat, tools),
+            submitted = submit(app, handler, model, requests, sink, cacheable, shape(chat, tools),
                                question if semantic_cache_allowed(fields) else None)
         except (RequestError, OverloadedError) as error:
             raise refusal(error, "messages" if chat else "prompt") from None
@@ -83,18 +85,18 @@ def generate(app: Service, handler: Handler, fields: Fields, engine: Engine, pro
         group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
         prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
-        response = Response(chat, app.settings.model_id, engine.backend.token_piece if logprobs is not None
+        response = Response(chat, model.name, engine.backend.token_piece if logprobs is not None
                             else None, per_prompt=group)
         choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer),
                           thinker=ThinkingSplitter.for_prompt(echo_text(engine, prompts[i // group]))
                           if thinks else None) for i, handle in enumerate(handles)]
         if stream:
-            stream_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, include_usage,
-                        release_session)
+            stream_answer(app, handler, model, response, sink, handles, choices, echoes, prompt_tokens,
+                          include_usage, release_session)
         else:
             ballot = Ballot(handles, elect_among) if elect_among > 1 else None
-            collect_answer(app, handler, response, sink, handles, choices, echoes, prompt_tokens, release_session,
-                         ballot, marks)
+            collect_answer(app, handler, model, response, sink, handles, choices, echoes, prompt_tokens,
+                           release_session, ballot, marks)
     finally:
         release_session()
 
@@ -106,35 +108,36 @@ class Submitted:
     marks: dict[str, Any]  # the answer's `reame` object: where it came from (empty: computed)
 
 
-def submit(app: Service, handler: Handler, engine: Engine, requests: list[GenerationRequest],
+def submit(app: Service, handler: Handler, model: ServedModel, requests: list[GenerationRequest],
            sink: queue.SimpleQueue, cacheable: bool, kind: str, question: Question | None = None) -> Submitted:
-    """Submit `requests` together, or answer the one cacheable request from the exact answer cache, then the
-    semantic one (with `question`); a computed cacheable answer is kept when it ends. `kind`: the shape
-    (chat or completion, tools offered), part of the key. Sets X-Reame-Cache. RequestError, OverloadedError
-    as the engine raises them."""
-    handler.response_headers[CACHE_HEADER] = "off" if app.answers is None else "bypass"
-    if not cacheable or app.answers is None:
+    """Submit `requests` to the model's engine together, or answer the one cacheable request from its exact
+    answer cache, then the semantic one (with `question`); a computed cacheable answer is kept when it ends.
+    `kind`: the shape (chat or completion, tools offered), part of the key. Sets X-Reame-Cache. RequestError,
+    OverloadedError as the engine raises them."""
+    engine, answers = loaded(model), model.answers
+    handler.response_headers[CACHE_HEADER] = "off" if answers is None else "bypass"
+    if not cacheable or answers is None:
         return Submitted(engine.submit_together(requests, sink), sink, {})
     # Tokenized once: the key is over the tokens, and the engine gets them as they are.
     tokens = engine.prompt_tokens(requests[0])
     request = dataclasses.replace(requests[0], prompt=tokens, suffix=None)
-    answer_key = app.answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
-    handles = kept_answer(app, tokens, answer_key, sink, "answers")
+    answer_key = answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
+    handles = kept_answer(app, model, tokens, answer_key, sink, "answers")
     handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
     if handles is not None:
         return Submitted(handles, sink, {})
-    similar = look_up(app, engine, handler, question, request.params, kind) \
-        if question is not None and app.semantic is not None else None
+    similar = look_up(app, model, handler, question, request.params, kind) \
+        if question is not None and model.semantic is not None else None
     if similar is not None and similar.match is not None:
-        handles = kept_answer(app, tokens, similar.match.question.answer_key, sink, "semantic")
+        handles = kept_answer(app, model, tokens, similar.match.question.answer_key, sink, "semantic")
         if handles is not None:
             handler.response_headers[CACHE_HEADER] = "semantic"
             return Submitted(handles, sink, {"cache": "semantic", "similarity": round(similar.match.similarity, 4),
                                              "question": similar.match.question.text})
     elif similar is not None:
-        app.metrics.add("reame_semantic_misses_total")
+        app.metrics.add("reame_semantic_misses_total", model=model.name)
     handles = engine.submit_together([request], sink)
-    return Submitted(handles, AnswerTap(sink, lambda text, finish: keep_answer(app, answer_key, text, finish,
+    return Submitted(handles, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text, finish,
                                                                                 similar)), {})
 
 
@@ -143,13 +146,13 @@ def shape(chat: bool, tools: ToolRequest | None) -> str:
     return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
 
 
-def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
+def kept_answer(app: Service, model: ServedModel, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
                 cache: str) -> list[StoredAnswer] | None:
-    """The answer kept under `key` as the engine's events, or None on a miss (counted either way, as a
-    lookup of `cache`: answers or semantic)."""
-    assert app.answers is not None
-    cached = app.answers.get(key)
-    app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total")
+    """The answer the model's cache keeps under `key` as the engine's events, or None on a miss (counted
+    either way, as a lookup of `cache`: answers or semantic)."""
+    assert model.answers is not None
+    cached = model.answers.get(key)
+    app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total", model=model.name)
     if cached is None:
         return None
     sink.put((0, TokenEvent(-1, cached.text)))
@@ -157,13 +160,14 @@ def kept_answer(app: Service, tokens: list[int], key: bytes, sink: queue.SimpleQ
     return [StoredAnswer(tokens)]
 
 
-def keep_answer(app: Service, key: bytes, text: str, finish: FinishEvent, question: Lookup | None) -> None:
+def keep_answer(app: Service, model: ServedModel, key: bytes, text: str, finish: FinishEvent,
+                question: Lookup | None) -> None:
     """Keep a computed answer; with `question` (the semantic cache looked it up), the question too."""
-    assert app.answers is not None
-    if app.answers.put(key, text, finish):
-        app.metrics.add("reame_answers_stored_total")
-        if question is not None and app.semantic is not None:
-            app.semantic.index.add(question.scope, question.question, question.vector, key)
+    assert model.answers is not None
+    if model.answers.put(key, text, finish):
+        app.metrics.add("reame_answers_stored_total", model=model.name)
+        if question is not None and model.semantic is not None:
+            model.semantic.index.add(question.scope, question.question, question.vector, key)
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
@@ -180,7 +184,8 @@ def echo_text(engine: Engine, prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
 
 
-def collect_answer(app: Service, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
+def collect_answer(app: Service, handler: Handler, model: ServedModel, response: "Response", sink: queue.SimpleQueue,
+            handles: list,
             choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
             ballot: Ballot | None = None, marks: dict[str, Any] | None = None) -> None:
     """The whole answer once every choice ended; with `ballot`, one elected per prompt among its attempts
@@ -191,7 +196,7 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
     remaining = len(handles)
     checked = time.monotonic()
     while remaining:
-        tag, event = app.next_event(sink)
+        tag, event = app.next_event(model, sink)
         if time.monotonic() - checked >= POLL_S:
             checked = time.monotonic()
             if handler.client_gone():
@@ -212,7 +217,7 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
                                                       event.usage.completion_tokens):
                 app.metrics.add("reame_conclave_early_stops_total")
     finished()
-    app.account(choices)
+    app.account(model, choices)
     for choice in choices:
         if choice.parser is not None:  # the text becomes content and tool calls
             said = choice.parser.feed(choice.text) + choice.parser.finish()
@@ -239,7 +244,8 @@ def collect_answer(app: Service, handler: Handler, response: "Response", sink: q
     handler.send_json(200, body)
 
 
-def stream_answer(app: Service, handler: Handler, response: "Response", sink: queue.SimpleQueue, handles: list,
+def stream_answer(app: Service, handler: Handler, model: ServedModel, response: "Response", sink: queue.SimpleQueue,
+           handles: list,
            choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
            finished: Callable[[], None]) -> None:
     handler.start_sse()
@@ -250,7 +256,7 @@ def stream_answer(app: Service, handler: Handler, response: "Response", sink: qu
                 handler.send_event(first)
         remaining = len(handles)
         while remaining:
-            tag, event = app.next_event(sink)
+            tag, event = app.next_event(model, sink)
             if event is None:
                 continue
             choice = choices[tag]
@@ -283,7 +289,7 @@ def stream_answer(app: Service, handler: Handler, response: "Response", sink: qu
                 send_said(handler, response, tag, choice, choice.parser.feed(text) + choice.parser.finish())
                 text = ""
             handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
-        app.account(choices)
+        app.account(model, choices)
         if include_usage:
             handler.send_event(response.usage_chunk(choices, prompt_tokens))
         handler.send_event("[DONE]")
@@ -306,7 +312,8 @@ def send_said(handler: Handler, response: Response, tag: int, choice: Choice,
             handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item), item))
 
 
-def session_for(app: Service, owner: str, fields: Fields, n: int, prompts: list[Any]) -> tuple[str, Any] | None:
+def session_for(model: ServedModel, owner: str, fields: Fields, n: int,
+                prompts: list[Any]) -> tuple[str, Any] | None:
     session_id = fields.body.get("session")
     if session_id is None:
         return None
@@ -315,5 +322,5 @@ def session_for(app: Service, owner: str, fields: Fields, n: int, prompts: list[
     if n != 1 or len(prompts) != 1:
         raise HttpError(400, "a session continues one conversation: use n = 1 and one prompt", param="session",
                         code="invalid_value")
-    return session_id, app.ready_sessions().acquire(owner, session_id)
+    return session_id, Service.ready_sessions(model).acquire(owner, session_id)
 

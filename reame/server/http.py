@@ -64,8 +64,6 @@ class ServerSettings:
     idle_timeout_s: float = 30.0
     header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
     request_timeout_s: float = 60.0  # the whole request, from its first byte
-    model_id: str = "reame"
-    model_path: str = ""  # the served file (Ollama's /api/tags lists its size and date)
     node_name: str = ""  # every response's X-Reame-Node ("": none)
     grace_s: float = 30.0
     request_log: bool = True
@@ -176,6 +174,7 @@ class Handler(BaseHTTPRequestHandler):
 
     owner = ""  # whose request this is: set by `authorized()`
     response_headers: dict[str, str]  # set by a route for the response it sends (X-Reame-Cache)
+    leases: list[Any]  # the models a request holds: the app lets them go when the request ends
 
     def setup(self) -> None:
         settings = self.server.settings
@@ -194,6 +193,7 @@ class Handler(BaseHTTPRequestHandler):
         self.reader.next_request(first=self.requests_served == 0)
         self.requests_served += 1
         self.response_headers = {}
+        self.leases = []
         try:
             self.raw_requestline = self.rfile.readline(65537)
             self.server.busy(self.connection)  # (a pipelined request is read from the buffer: no first byte)

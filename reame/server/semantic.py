@@ -8,11 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from reame.engine import Engine, SamplingParams
+from reame.engine import SamplingParams
 from reame.errors import ReameError
 from reame.semantic import MAX_QUESTION_CHARS, Match, canonical
 from reame.server.http import Handler, HttpError
-from reame.server.service import Service
+from reame.server.models import ServedModel
+from reame.server.service import Service, loaded
 
 log = logging.getLogger("reame.server")
 
@@ -43,25 +44,27 @@ def chat_question(messages: Sequence[dict[str, Any]], render: Callable[[list[dic
     return Question(text, render([*messages[:-1], {**last, "content": PLACEHOLDER}]))
 
 
-def look_up(app: Service, engine: Engine, handler: Handler, question: Question, params: SamplingParams,
+def look_up(app: Service, model: ServedModel, handler: Handler, question: Question, params: SamplingParams,
             shape: str) -> Lookup | None:
     """The kept question nearest to `question` in its scope (match None: none close enough); None when the
     question could not be embedded (the request is then computed as if the cache were off)."""
-    assert app.semantic is not None
+    semantic = model.semantic
+    assert semantic is not None
     try:
-        embedder = app.semantic.embedder
+        embedder = semantic.embedder
         text = canonical(question.text)
         if embedder is not None:
             vector = embedder.embed(text)
         else:  # the served model's embedding, computed by its engine between steps
-            tokens = engine.backend.tokenize(text, add_special=True, parse_special=False)
-            vectors = app.embeddings(handler, engine, [tokens[:engine.backend.embedding_context_tokens]])
+            backend = loaded(model).backend
+            tokens = backend.tokenize(text, add_special=True, parse_special=False)
+            vectors = app.embeddings(handler, model, [tokens[:backend.embedding_context_tokens]])
             if vectors is None:
                 return None  # the client left
             vector = vectors[0]
     except (ReameError, HttpError) as error:
         log.warning("semantic cache: the question was not embedded (%s)", error)
         return None
-    index = app.semantic.index
+    index = semantic.index
     scope = index.scope(question.context, params, shape)
     return Lookup(scope, question.text, vector, index.find(scope, question.text, vector))

@@ -1,7 +1,7 @@
 """Run the HTTP server: listen first, load the model, serve until SIGINT/SIGTERM, drain, exit 0.
 
-The socket is open while the model loads, so `/health` answers 503 "loading"
-until the engine is ready. On a signal the server stops accepting, lets
+The socket is open while the first model loads, so `/health` answers 503
+"loading" until its engine is ready. On a signal the server stops accepting, lets
 requests in flight finish within the grace period, then closes the engine.
 """
 
@@ -12,25 +12,21 @@ import signal
 import threading
 from typing import Callable
 
-from reame.engine import Engine
 from reame.errors import ListenError
 from reame.server.http import ServerSettings
 from reame.server.listener import ReameHTTPServer
-from reame.answers import AnswerCache
-from reame.semantic import SemanticCache
 from reame.server.metrics import Sample
 from reame.server.app import App
-from reame.server.sessions import Sessions
+from reame.server.models import ModelPool
 
 log = logging.getLogger("reame.server")
 
 
-def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_name: str,
-          sessions: Sessions | None = None, answers: AnswerCache | None = None,
-          semantic: SemanticCache | None = None) -> int:
-    """Serve until a signal; the engine `load_engine` returns (and its backend) is closed at the end, and
-    so is the semantic cache's embedding model."""
-    app = App(settings, sessions=sessions, answers=answers, semantic=semantic)
+def serve(settings: ServerSettings, models: ModelPool, on_close: Callable[[], None] = lambda: None) -> int:
+    """Serve until a signal: the first model is loaded before the server says it is ready, the others when
+    a request names them. At the end every model is unloaded, then `on_close` runs (it closes what the models
+    share: the semantic cache's embedding model)."""
+    app = App(settings, models)
     try:
         server = ReameHTTPServer(settings, app)
     except OSError as error:
@@ -45,12 +41,12 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
     auth = f"bearer auth on ({len(settings.api_keys)} key{'s' * (len(settings.api_keys) != 1)})" \
         if settings.api_keys else "no auth"
     cors = f"CORS {settings.cors_origin}" if settings.cors_origin else "CORS off"
-    log.info("serving %s as '%s' on http://%s:%s (%s, %s); loading the model…", model_name, settings.model_id,
-             host, port, auth, cors)
-    engine = None
+    names = ", ".join(f"'{model.name}'" for model in models.models)
+    log.info("serving %s on http://%s:%s (%s, %s); loading %s…", names, host, port, auth, cors, models.default.name)
     try:
-        engine = load_engine()
-        app.engine = engine
+        models.preload(models.default)
+        models.start()
+        app.ready = True
         log.info("ready (Ctrl-C to stop)")
         stop.wait()
     finally:
@@ -58,10 +54,8 @@ def serve(settings: ServerSettings, load_engine: Callable[[], Engine], model_nam
         server.shutdown()
         if not server.drain(settings.grace_s):
             log.warning("requests still running after the grace period are cancelled")
-        if engine is not None:
-            engine.close()  # the engine owns its backend: freed once its thread has ended
-        if semantic is not None and semantic.embedder is not None:
-            semantic.embedder.close()
+        models.close()  # each engine owns its backend: freed once its thread has ended
+        on_close()
         server.server_close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -1,5 +1,5 @@
-"""What every API family shares: the engine (None while the model loads), the sessions, the exact answer
-cache, the metrics, and the small rules of waiting on the engine. The App (app.py) is a Service with routes."""
+"""What every API family shares: the served models (each with its engine while loaded, its sessions and answer
+caches), the metrics, and the small rules of waiting on an engine. The App (app.py) is a Service with routes."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Any
 
 from reame.engine import Engine, FinishEvent
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
-from reame.answers import AnswerCache
-from reame.semantic import SemanticCache
 from reame.server.conversations import Conversations
 from reame.server.http import Handler, HttpError, ServerSettings
-from reame.server.metrics import Metrics
+from reame.server.metrics import Metrics, Sample
+from reame.server.models import ModelPool, ModelUnavailable, ServedModel, UnknownModel
 from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice
 
@@ -22,24 +21,18 @@ POLL_S = 0.25  # how often a waiting request checks that its client and the engi
 
 
 class Service:
-    """The state the routes share: set up once, read by many HTTP threads (the engine is swapped in once,
-    when the model has loaded)."""
+    """The state the routes share: set up once, read by many HTTP threads. The pool owns the models' loaded
+    state; `ready` turns true once the first model has loaded (until then /health says loading)."""
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics | None = None,
-                 sessions: Sessions | None = None, answers: AnswerCache | None = None,
-                 semantic: SemanticCache | None = None) -> None:
-        """`answers`: the exact answer cache (None: cache.answers is off); `semantic`: the semantic one
-        (None: cache.semantic is off), which keeps its answers in `answers`."""
+    def __init__(self, settings: ServerSettings, models: ModelPool, metrics: Metrics | None = None) -> None:
         self.settings = settings
-        self.engine: Engine | None = None
-        self.sessions = sessions
-        self.answers = answers
-        self.semantic = semantic if answers is not None else None
+        self.models = models
+        self.ready = False
         self.conversations = Conversations()  # the Responses API's stored responses
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")
-        self.metrics.describe("reame_generations_total", "counter", "answers (choices) finished")
+        self.metrics.describe("reame_generations_total", "counter", "answers (choices) finished, by model")
         self.metrics.describe("reame_prompt_tokens_total", "counter", "prompt tokens processed")
         self.metrics.describe("reame_prompt_tokens_cached_total", "counter",
                               "prompt tokens found in the KV (slot, session, prefix cache, a twin request's "
@@ -59,30 +52,64 @@ class Service:
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")
         self.metrics.describe("reame_prompt_seconds_total", "counter", "seconds from admission to first token")
         self.metrics.describe("reame_generation_seconds_total", "counter", "seconds from first token to the end")
-        self.metrics.gauge("reame_queue_depth", "requests waiting for a sequence slot",
-                           lambda: self.engine.load()[0] if self.engine else 0)
-        self.metrics.gauge("reame_busy_slots", "sequence slots generating",
-                           lambda: self.engine.load()[1] if self.engine else 0)
-        self.metrics.gauge("reame_kv_tokens_recorded", "KV cells the engine's slots account for",
-                           lambda: self.engine.status.kv_recorded if self.engine else 0)
-        self.metrics.gauge("reame_kv_tokens_in_memory", "KV cells the model's memory holds (more than recorded: "
-                           "a leak)", lambda: self.engine.status.kv_in_memory if self.engine else 0)
+        self.metrics.collector(self.engine_samples)
 
-    def ready_engine(self) -> Engine:
-        if self.engine is None:
+    def engine_samples(self) -> list[Sample]:
+        """Each loaded model's queue, slots and KV, and the pool's loads."""
+        samples = [Sample("reame_models_loaded", "gauge", "models loaded now", {}, len(self.models.loaded())),
+                   Sample("reame_model_loads_total", "counter", "models loaded (the first one's included)", {},
+                          self.models.loads),
+                   Sample("reame_model_unloads_total", "counter", "models unloaded (keep-alive, room, shutdown)",
+                          {}, self.models.unloads)]
+        for model in self.models.loaded():
+            engine, labels = model.engine, {"model": model.name}
+            if engine is None:
+                continue
+            waiting, busy = engine.load()
+            samples += [Sample("reame_queue_depth", "gauge", "requests waiting for a sequence slot", labels, waiting),
+                        Sample("reame_busy_slots", "gauge", "sequence slots generating", labels, busy),
+                        Sample("reame_kv_tokens_recorded", "gauge", "KV cells the engine's slots account for",
+                               labels, engine.status.kv_recorded),
+                        Sample("reame_kv_tokens_in_memory", "gauge", "KV cells the model's memory holds (more than "
+                               "recorded: a leak)", labels, engine.status.kv_in_memory)]
+        return samples
+
+    def model(self, handler: Handler, requested: object, keep_alive_s: float | None = None) -> ServedModel:
+        """The model a request's `model` names, loaded and held until the request ends (App.dispatch lets it
+        go, with `keep_alive_s`: None = the server's). 404 for a model not served, 503 while the server starts
+        or when the model stays busy, 500 when it fails to load."""
+        model = self.served(requested)
+        if not self.ready:
             raise HttpError(503, "the model is still loading, retry shortly", "server_error", "loading",
                             headers={"Retry-After": "5"})
-        return self.engine
+        try:
+            self.models.acquire(model, handler.client_gone)
+        except ModelUnavailable as error:
+            if error.retry:
+                raise HttpError(503, str(error), "server_error", "model_busy", headers={"Retry-After": "5"}) from None
+            raise HttpError(500, str(error), "server_error", "model_load_failed") from None
+        handler.leases.append((model, keep_alive_s))
+        self.models.check(model)
+        return model
 
-    def check_engine(self) -> None:
-        """EngineUnavailable once the engine has failed: a waiting handler answers instead of hanging."""
-        if self.engine is not None and self.engine.status.dead:
-            raise EngineUnavailable(f"the engine failed: {self.engine.status.dead}")
+    def served(self, requested: object) -> ServedModel:
+        """The model a name names, loaded or not (what /api/show describes); 404 for one not served."""
+        try:
+            return self.models.find(requested)
+        except UnknownModel as error:
+            raise HttpError(404, str(error), param="model", code="model_not_found") from None
 
-    def ready_sessions(self) -> Sessions:
-        if self.sessions is None:
+    def release_models(self, handler: Handler) -> None:
+        """Let go of the models a request held (its answer is over)."""
+        for model, keep_alive_s in handler.leases:
+            self.models.release(model, keep_alive_s)
+        handler.leases.clear()
+
+    @staticmethod
+    def ready_sessions(model: ServedModel) -> Sessions:
+        if model.sessions is None:
             raise HttpError(404, "sessions are not enabled on this server", code="not_found")
-        return self.sessions
+        return model.sessions
 
     @staticmethod
     def submit_checked(submit: Callable[[], Any]) -> Any:
@@ -92,12 +119,13 @@ class Service:
         except (RequestError, OverloadedError) as error:
             raise refusal(error) from None
 
-    def embeddings(self, handler: Handler, engine: Engine, inputs: list[list[int]]) -> list[list[float]] | None:
-        """Unit vectors of token inputs, computed by the engine between its steps; None when the client left
-        meanwhile (its connection is then closed). 400/429 when refused, 500 when the model failed."""
+    def embeddings(self, handler: Handler, model: ServedModel, inputs: list[list[int]]) -> list[list[float]] | None:
+        """Unit vectors of token inputs, computed by the model's engine between its steps; None when the client
+        left meanwhile (its connection is then closed). 400/429 when refused, 500 when the model failed."""
+        engine = loaded(model)
         job = self.submit_checked(lambda: engine.embed(inputs))
         while not job.done.wait(POLL_S):
-            self.check_engine()
+            self.models.check(model)
             if handler.client_gone():
                 handler.close_connection = True
                 return None
@@ -106,29 +134,43 @@ class Service:
         except ModelError as error:
             raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
 
-    def next_event(self, sink: queue.SimpleQueue) -> tuple[int, Any]:
+    def next_event(self, model: ServedModel, sink: queue.SimpleQueue) -> tuple[int, Any]:
         """The next (tag, event) of a request's sink, or (-1, None) after POLL_S without one. Never waits
-        forever: EngineUnavailable when the engine failed meanwhile."""
+        forever: EngineUnavailable when the model's engine failed meanwhile."""
         try:
             return sink.get(timeout=POLL_S)
         except queue.Empty:
-            self.check_engine()
+            self.models.check(model)
             return -1, None
 
-    def account(self, choices: list[Choice]) -> None:
+    def account(self, model: ServedModel, choices: list[Choice]) -> None:
         for choice in choices:
             if choice.finish is None or not choice.computed:
                 continue  # a kept answer counts in reame_answers_hits_total only
             usage = choice.finish.usage
-            self.metrics.add("reame_generations_total")
-            self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens)
-            self.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens)
-            self.metrics.add("reame_generated_tokens_total", usage.completion_tokens)
-            self.metrics.add("reame_prompt_seconds_total", usage.prompt_seconds)
-            self.metrics.add("reame_generation_seconds_total", usage.decode_seconds)
+            self.metrics.add("reame_generations_total", model=model.name)
+            self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens, model=model.name)
+            self.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens, model=model.name)
+            self.metrics.add("reame_generated_tokens_total", usage.completion_tokens, model=model.name)
+            self.metrics.add("reame_prompt_seconds_total", usage.prompt_seconds, model=model.name)
+            self.metrics.add("reame_generation_seconds_total", usage.decode_seconds, model=model.name)
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.settings.model_id, "object": "model", "created": self.created, "owned_by": "reame"}
+    def model_card(self, model: ServedModel) -> dict[str, Any]:
+        """A model as /v1/models lists it: OpenAI's fields, then Reame's (loaded or not, its aliases, context
+        length, file size and quantization)."""
+        facts = model.facts
+        engine = model.engine
+        return {"id": model.name, "object": "model", "created": self.created, "owned_by": "reame",
+                "reame": {"loaded": model.state == "loaded", "aliases": list(model.aliases),
+                          "context_length": engine.backend.n_ctx if engine is not None else facts.context_length,
+                          "size_bytes": facts.size_bytes, "quantization": facts.quantization,
+                          "architecture": facts.architecture, "parameter_size": facts.parameter_size}}
+
+
+def loaded(model: ServedModel) -> Engine:
+    """The engine of a model the caller holds (Service.model acquired it: it stays loaded until released)."""
+    assert model.engine is not None, "a held model is loaded"
+    return model.engine
 
 
 def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestError) -> HttpError:

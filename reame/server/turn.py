@@ -13,6 +13,7 @@ from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.server.generation import StoredAnswer, submit
 from reame.server.http import Handler, HttpError
+from reame.server.models import ServedModel
 from reame.server.semantic import Question
 from reame.server.service import Service, failure, refusal
 from reame.server.shapes import Choice
@@ -33,6 +34,7 @@ class Said:
 
 @dataclass
 class Turn:
+    model: ServedModel
     handle: Any
     events: Any
     choice: Choice
@@ -66,19 +68,19 @@ def answer_grammar(tools: ToolRequest | None, requested: str | None, field: str)
     return forced_tool_grammar(tools)
 
 
-def start(app: Service, handler: Handler, engine: Engine, request: GenerationRequest, tools: ToolRequest | None,
+def start(app: Service, handler: Handler, model: ServedModel, request: GenerationRequest, tools: ToolRequest | None,
           cacheable: bool, kind: str, question: Question | None = None, prompt_param: str = "messages",
           thinks: bool = False) -> Turn:
     """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses.
     `thinks`: the model thinks in <think>…</think>, said apart from the answer."""
     try:
-        submitted = submit(app, handler, engine, [request], queue.SimpleQueue(), cacheable, kind, question)
+        submitted = submit(app, handler, model, [request], queue.SimpleQueue(), cacheable, kind, question)
     except (RequestError, OverloadedError) as error:
         raise refusal(error, prompt_param) from None
     handle = submitted.handles[0]
     thinker = ThinkingSplitter.for_prompt(request.prompt) if thinks and isinstance(request.prompt, str) else None
     choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer), thinker=thinker)
-    return Turn(handle, submitted.events, choice, submitted.marks, len(handle.prompt_tokens))
+    return Turn(model, handle, submitted.events, choice, submitted.marks, len(handle.prompt_tokens))
 
 
 def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
@@ -86,7 +88,7 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
     the generation, when the client goes away."""
     choice = turn.choice
     while True:
-        _, event = app.next_event(turn.events)
+        _, event = app.next_event(turn.model, turn.events)
         if event is None:
             if handler.client_gone():
                 turn.handle.cancel()
@@ -111,7 +113,7 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
                 yield Said(call=item)
         if isinstance(event, FinishEvent):
             choice.finish = event
-            app.account([choice])
+            app.account(turn.model, [choice])
             yield Said(finish=event)
             return
 

@@ -153,11 +153,13 @@ def semantic_cache_allowed(fields: Fields) -> bool:
     return extension(fields).boolean("semantic", True)
 
 
-def check_model(fields: Fields) -> None:
-    """`model` is accepted whatever it names (one server serves one model) but must be a string."""
-    model = fields.body.get("model")
+def requested_model(fields: Fields, name: str = "model") -> str | None:
+    """The model a request names (None: it names none), which must be a string; which model that is, the
+    server's pool says (server/models.py)."""
+    model = fields.body.get(name)
     if model is not None and not isinstance(model, str):
-        raise fields.bad("model", "a string")
+        raise fields.bad(name, "a string")
+    return model
 
 
 def stream_usage(fields: Fields) -> bool:

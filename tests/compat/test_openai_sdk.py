@@ -208,7 +208,7 @@ def cached_prompt_tokens(server) -> float:
     request = urllib.request.Request(server + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
-    found = re.search(r"^reame_prompt_tokens_cached_total (\S+)$", text, re.MULTILINE)
+    found = re.search(r"^reame_prompt_tokens_cached_total{model=\"[^\"]*\"} (\S+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0  # a counter shows once it has counted something
 
 

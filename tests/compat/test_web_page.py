@@ -1,5 +1,6 @@
 """The built-in web page in a real browser (Debian's chromium and chromium-driver, driven by selenium):
-against a live SmolLM2 server with an API key, and against a FakeBackend server whose answer is HTML.
+against a live SmolLM2 server with an API key, a FakeBackend server whose answer is HTML, and one of two
+FakeBackend models.
 Screenshots go to build/test-artifacts/ (REAME_TEST_ARTIFACTS overrides it)."""
 
 import json
@@ -11,9 +12,10 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from reame.engine import Engine
+from reame.server.models import ModelPool, ServedModel
 from tests.fakes.backend import FakeBackend, reply_rule
 from tests.live_server import smollm2_server as serve_smollm2
 from tests.unit.test_server import Live
@@ -149,3 +151,31 @@ def test_the_page_fits_a_phone_sized_screen(browser, html_server):
         screenshot(browser, "web-phone")
     finally:
         browser.set_window_size(1200, 900)
+
+
+@pytest.fixture
+def two_model_server():
+    """A FakeBackend server of two models, "small" and "coder", each answering with its own name."""
+    def load(model: ServedModel) -> Engine:
+        return Engine(FakeBackend(n_ctx=1024, rule=reply_rule(f"I am {model.name}."))).start()
+    models = ModelPool([ServedModel("small"), ServedModel("coder")], load, max_loaded=1)
+    server = Live(None, models)
+    yield f"http://127.0.0.1:{server.port}"
+    server.close()
+    models.close()
+
+
+def test_a_server_of_several_models_lets_the_chat_choose_one(browser, two_model_server):
+    browser.get(two_model_server + "/")
+    choice = browser.find_element(By.ID, "models")
+    wait(browser, lambda: choice.is_displayed(), 30)
+    assert [option.text for option in choice.find_elements(By.TAG_NAME, "option")] == ["small", "coder"]
+    assert not browser.find_element(By.ID, "model").is_displayed()
+    Select(choice).select_by_value("coder")
+    send(browser, "Who are you?", 20)
+    wait(browser, lambda: "tokens" in last_answer(browser).find_element(By.CLASS_NAME, "stats").text, 30)
+    assert last_answer(browser).find_element(By.CLASS_NAME, "text").text == "I am coder."
+    Select(choice).select_by_value("small")
+    send(browser, "And now?", 20)
+    wait(browser, lambda: last_answer(browser).find_element(By.CLASS_NAME, "text").text == "I am small.", 30)
+    assert console_errors(browser) == []

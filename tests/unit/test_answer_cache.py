@@ -57,7 +57,7 @@ def node(*tiers) -> tuple[Live, Engine, FakeBackend]:
     backend = FakeBackend(n_ctx=1024, n_seq_max=2)
     engine = Engine(backend).start()
     live = Live(engine)
-    live.app.answers = AnswerCache(list(tiers), FINGERPRINT)
+    live.model.answers = AnswerCache(list(tiers), FINGERPRINT)
     return live, engine, backend
 
 
@@ -143,7 +143,7 @@ def test_without_its_store_a_node_answers_as_if_it_had_none(tmp_path):
         for _ in range(2):
             status, body = live.json("POST", "/v1/chat/completions", CHAT)
             assert status == 200 and body["choices"][0]["message"]["content"] is not None
-        assert live.app.answers.tiers[0].store.failures == 1  # then it waits a backoff instead of trying each time
+        assert live.model.answers.tiers[0].store.failures == 1  # then it waits a backoff instead of trying each time
     finally:
         live.close()
         engine.close()
@@ -183,7 +183,7 @@ def test_a_restarted_node_finds_the_answer_on_disk_and_keeps_it_in_ram(alone):
     restarted, _, backend = alone()
     status, hit = restarted.json("POST", "/v1/chat/completions", CHAT)
     assert status == 200 and backend.decode_calls == [] and hit["choices"] == answered["choices"]
-    assert len(restarted.app.answers.tiers[0]) == 1  # copied into RAM
+    assert len(restarted.model.answers.tiers[0]) == 1  # copied into RAM
 
 
 def test_a_request_that_opts_out_is_computed_and_not_kept(alone):
@@ -211,7 +211,7 @@ def test_sampled_without_a_seed_is_never_looked_up(alone):
 
 def test_without_the_cache_the_header_says_off():
     live, engine, _ = node()
-    live.app.answers = None
+    live.model.answers = None
     try:
         response, _ = live.request("POST", "/v1/chat/completions", CHAT)
         assert response.status == 200 and response.getheader("X-Reame-Cache") == "off"

@@ -161,3 +161,21 @@ def test_the_originals_arca_remote_names_an_arca_by_host_and_port(tmp_path):
     for text, port in (("[arca]\nremote = 10.0.0.5:6421\n", 6421), ("[arca]\nremote = 10.0.0.5\n", 6420)):
         remote = config.load(write(tmp_path, text), env={})["arca.remote"].value
         assert StoreAddress.parse(remote) == StoreAddress("10.0.0.5", port, "", 0)
+
+
+def test_server_models_name_sources_with_names_and_aliases(tmp_path):
+    from reame.settings import ModelSpec, from_values
+    path = write(tmp_path, "[server]\nmodels = qwen2.5-coder-0.5b, coder|qwen = /m/a=b.gguf ,, tiny=smollm2-135m\n"
+                           "max_loaded_models = 1\nmodels_ram_mb = 512\nkeep_alive_seconds = -1\n")
+    server = from_values(config.load(path, env={})).server
+    assert server.models == (ModelSpec("qwen2.5-coder-0.5b"), ModelSpec("/m/a=b.gguf", ("coder", "qwen")),
+                             ModelSpec("smollm2-135m", ("tiny",)))
+    assert (server.max_loaded_models, server.models_ram_bytes, server.keep_alive_s) == (1, 512 << 20, -1)
+
+
+@pytest.mark.parametrize("listed", ["=smollm2-135m", "a||b=smollm2-135m", "coder=", "x" * 101 + "=smollm2-135m",
+                                    "bell\x07=smollm2-135m"])
+def test_a_malformed_server_models_entry_names_itself(listed):
+    from reame.settings import from_values
+    with pytest.raises(ConfigError, match="server.models entry"):
+        from_values(config.load(None, env={"REAME_SERVER_MODELS": listed}))

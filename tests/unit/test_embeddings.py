@@ -23,7 +23,7 @@ def server():
 
 def test_one_unit_vector_per_input_in_order_with_usage(server):
     status, body = server.json("POST", "/v1/embeddings", {"model": "m", "input": ["cat on a mat", "the cat", "xyz"]})
-    assert status == 200 and body["object"] == "list" and body["model"] == server.settings.model_id
+    assert status == 200 and body["object"] == "list" and body["model"] == server.model.name
     vectors = [item["embedding"] for item in body["data"]]
     assert [item["index"] for item in body["data"]] == [0, 1, 2] and all(len(v) == EMBEDDING_SIZE for v in vectors)
     assert all(abs(math.fsum(x * x for x in v) - 1) < 1e-9 for v in vectors)
@@ -43,7 +43,7 @@ def test_base64_is_little_endian_float32_of_the_same_vector(server):
 
 
 def test_inputs_are_embedded_in_batches_the_backend_takes(server):
-    backend = server.app.engine.backend
+    backend = server.model.engine.backend
     backend.embed_calls.clear()
     body = server.json("POST", "/v1/embeddings", {"input": [f"text {i}" for i in range(10)]})[1]
     assert len(body["data"]) == 10 and backend.embed_calls == [4, 4, 2]

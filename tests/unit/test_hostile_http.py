@@ -167,7 +167,7 @@ def as_key(key):
 @pytest.fixture
 def keyed(engine, tmp_path):
     server = Live(engine, api_keys=KEYS)
-    server.app.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(per_key=2, total=3))
+    server.model.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(per_key=2, total=3))
     yield server
     server.close()
 
@@ -200,12 +200,12 @@ def test_sessions_are_bounded_per_key_and_in_all(keyed):
 def test_sessions_past_their_ram_budget_wait_on_disk_and_answer_the_same(engine, tmp_path):
     plain = Live(engine)
     spilling = Live(engine)
-    spilling.app.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(ram_bytes=1))
+    spilling.model.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(ram_bytes=1))
     try:
         expected = chat_turns(plain)[:2]
         session_id = spilling.json("POST", "/v1/sessions")[1]["id"]
         assert chat_turns(spilling, session_id)[:2] == expected
-        sessions = spilling.app.sessions
+        sessions = spilling.model.sessions
         assert sessions.ram_bytes() == 0 and sessions.path("", session_id).exists()  # written out after the turn
         assert spilling.json("GET", f"/v1/sessions/{session_id}")[1]["tokens"] > 20  # and read back on use
     finally:
@@ -216,13 +216,13 @@ def test_sessions_past_their_ram_budget_wait_on_disk_and_answer_the_same(engine,
 def test_an_idle_session_expires_in_ram_and_on_disk(engine, tmp_path, monkeypatch):
     monkeypatch.setattr(sessions_module, "EXPIRY_EVERY_S", 0.0)
     server = Live(engine)
-    server.app.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(idle_s=3600))
+    server.model.sessions = Sessions(tmp_path / "sessions", b"model", SessionLimits(idle_s=3600))
     try:
         session_id = server.json("POST", "/v1/sessions", {"id": "old"})[1]["id"]
         assert server.json("POST", f"/v1/sessions/{session_id}/save")[0] == 200
-        path = server.app.sessions.path("", session_id)
+        path = server.model.sessions.path("", session_id)
         assert path.exists()
-        server.app.sessions.limits = SessionLimits(idle_s=1e-9)  # as if an hour went by
+        server.model.sessions.limits = SessionLimits(idle_s=1e-9)  # as if an hour went by
         server.json("POST", "/v1/sessions", {"id": "new"})  # any session call looks the others over
         assert server.json("GET", "/v1/sessions/old")[0] == 404 and not path.exists()
     finally:
@@ -236,7 +236,7 @@ def test_saved_sessions_are_private_files_in_a_private_directory(keyed, tmp_path
         assert keyed.json("POST", "/v1/sessions/mine/save", None, as_key("alice-key"))[0] == 200
     finally:
         os.umask(old_umask)
-    path = keyed.app.sessions.path(sessions_module.key_owner("alice-key"), "mine")
+    path = keyed.model.sessions.path(sessions_module.key_owner("alice-key"), "mine")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert not list(path.parent.glob(".*.tmp"))

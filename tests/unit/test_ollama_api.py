@@ -92,7 +92,7 @@ def test_format_json_and_a_schema_constrain_the_answer(structured_server):
 def test_tags_show_ps_and_version_describe_the_served_model(live):
     _, tags = live.json("GET", "/api/tags")
     (model,) = tags["models"]
-    assert model["name"] == model["model"] == live.settings.model_id and model["details"]["format"] == "gguf"
+    assert model["name"] == model["model"] == live.model.name and model["details"]["format"] == "gguf"
     assert model["details"]["family"] == "fake" and model["details"]["quantization_level"] == "F32"
     assert model["details"]["parameter_size"] == "1M" and len(model["digest"]) == 64
     _, shown = live.json("POST", "/api/show", {"model": "anything"})
@@ -112,7 +112,7 @@ def test_embed_and_the_older_embeddings_route(live):
 
 
 def test_a_greedy_chat_is_kept_and_answered_again_from_the_exact_cache(live):
-    live.app.answers = AnswerCache([RamAnswers(1 << 20)], b"fake")
+    live.model.answers = AnswerCache([RamAnswers(1 << 20)], b"fake")
     first, _ = live.request("POST", "/api/chat", CHAT)
     again, data = live.request("POST", "/api/chat", CHAT)
     assert first.getheader("X-Reame-Cache") == "miss" and again.getheader("X-Reame-Cache") == "hit"
@@ -120,7 +120,7 @@ def test_a_greedy_chat_is_kept_and_answered_again_from_the_exact_cache(live):
 
 
 def test_pull_of_the_served_model_succeeds_and_an_unknown_one_is_404(live):
-    parts = lines(live, "/api/pull", {"model": live.settings.model_id})
+    parts = lines(live, "/api/pull", {"model": live.model.name})
     assert parts[0] == {"status": "pulling manifest"} and parts[-1] == {"status": "success"}
     status, body = live.json("POST", "/api/pull", {"model": "no-such-model", "stream": False})
     assert status == 404 and "not in Reame's catalog" in body["error"]

@@ -19,7 +19,7 @@ def guarded(tmp_path):
     from reame.server.sessions import Sessions
     with Engine(FakeBackend(n_ctx=1024, n_seq_max=2)) as engine:
         server = Live(engine, api_keys=KEYS)
-        server.app.sessions = Sessions(tmp_path / "sessions", b"model")
+        server.model.sessions = Sessions(tmp_path / "sessions", b"model")
         yield server
         server.close()
 
@@ -95,7 +95,7 @@ def test_caps_on_embeddings_and_tools(guarded):
 
 
 def test_the_logs_hold_no_key_and_no_prompt_text_at_the_default_level(guarded, caplog):
-    server = Live(guarded.app.engine, api_keys=KEYS, request_log=True)
+    server = Live(guarded.model.engine, api_keys=KEYS, request_log=True)
     secret_prompt = "the launch code is 0451"
     try:
         with caplog.at_level("INFO", logger="reame"):

@@ -186,8 +186,8 @@ def node(*, store: int | None = None, threshold: float = 0.8, embedder=None) -> 
     live = Live(engine)
     client = StoreClient(StoreAddress("127.0.0.1", store, "", 0)) if store else None
     tiers = [RamAnswers(1 << 20)] + ([SharedAnswers(client, 60_000)] if client else [])
-    live.app.answers = AnswerCache(tiers, FINGERPRINT)
-    live.app.semantic = SemanticCache(SemanticIndex(FINGERPRINT, "words", threshold, client),
+    live.model.answers = AnswerCache(tiers, FINGERPRINT)
+    live.model.semantic = SemanticCache(SemanticIndex(FINGERPRINT, "words", threshold, client),
                                       embedder or WordsEmbedder())
     return live, engine, backend
 
@@ -243,7 +243,7 @@ def test_an_opted_out_question_is_not_kept_and_a_sampled_one_never_looked_up(alo
     ask(live, chat(QUESTION, reame={"semantic": False}))
     assert ask(live, chat(QUESTION.lower()))[2] == "miss"
     assert ask(live, chat(QUESTION, temperature=0.8))[2] == "bypass"
-    assert live.app.semantic.embedder.texts == [canonical(QUESTION.lower())]
+    assert live.model.semantic.embedder.texts == [canonical(QUESTION.lower())]
 
 
 def test_a_question_that_cannot_be_embedded_is_computed():
@@ -261,7 +261,7 @@ def test_a_question_that_cannot_be_embedded_is_computed():
 
 def test_the_served_models_own_embeddings_work_through_its_engine():
     live, engine, backend = node(threshold=0.95)
-    live.app.semantic = SemanticCache(live.app.semantic.index, None)
+    live.model.semantic = SemanticCache(live.model.semantic.index, None)
     try:
         first = ask(live, chat(QUESTION))[1]
         status, again, header = ask(live, chat(QUESTION + "  ?"))

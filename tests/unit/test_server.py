@@ -14,15 +14,27 @@ from tests.fakes.backend import N_VOCAB, FakeBackend, gated_rule
 from reame.server.http import ServerSettings
 from reame.server.listener import ReameHTTPServer
 from reame.server.app import App
+from reame.server.models import ModelFacts, ModelPool, ServedModel
 from tests.waiting import wait_until
+
+FAKE_FACTS = ModelFacts("fake.gguf", 1 << 20, 0.0, "fake", "F32", "1M", 1024, 1024)  # what a file would say
 
 
 class Live:
-    def __init__(self, engine: Engine | None, **settings) -> None:
+    """A server of one model, "reame", over `engine` (None: still loading), on a free port."""
+
+    def __init__(self, engine: Engine | None, models: ModelPool | None = None, **settings) -> None:
+        """`models`: the server's models instead (its first one is loaded here)."""
         settings.setdefault("request_log", False)
         self.settings = ServerSettings(port=0, **settings)
-        self.app = App(self.settings)
-        self.app.engine = engine
+        if models is None:
+            models = ModelPool([ServedModel("reame", facts=FAKE_FACTS, engine=engine,
+                                            state="loaded" if engine is not None else "unloaded")])
+        else:
+            models.preload(models.default)
+        self.model = models.default
+        self.app = App(self.settings, models)
+        self.app.ready = self.model.engine is not None
         self.server = ReameHTTPServer(self.settings, self.app)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -87,9 +99,9 @@ def test_the_web_page_is_served_without_a_key_and_its_stats_need_one(engine):
         status, stats = server.json("GET", "/stats", headers={"Authorization": "Bearer secret"})
         assert status == 200 and stats["model"] == "reame" and stats["time"] > 0
         values = {(s["name"], tuple(sorted(s["labels"].items()))): s["value"] for s in stats["samples"]}
-        assert values[("reame_generations_total", ())] == 1
-        assert values[("reame_generated_tokens_total", ())] == 2
-        assert values[("reame_busy_slots", ())] == 0
+        assert values[("reame_generations_total", (("model", "reame"),))] == 1
+        assert values[("reame_generated_tokens_total", (("model", "reame"),))] == 2
+        assert values[("reame_busy_slots", (("model", "reame"),))] == 0
     finally:
         server.close()
 
@@ -311,7 +323,7 @@ def test_tokenize_round_trip_and_metrics(live):
     response, data = live.request("GET", "/metrics")
     text = data.decode()
     assert response.status == 200 and "text/plain" in response.getheader("Content-Type")
-    assert 'reame_requests_total{status="200"}' in text and "reame_queue_depth 0" in text
+    assert 'reame_requests_total{status="200"}' in text and 'reame_queue_depth{model="reame"} 0' in text
 
 
 def test_bearer_auth_with_several_keys(engine):
@@ -649,7 +661,7 @@ def test_suffix_builds_a_fill_in_the_middle_prompt(live, engine):
 def with_sessions(engine, tmp_path):
     from reame.server.sessions import Sessions
     server = Live(engine)
-    server.app.sessions = Sessions(tmp_path / "sessions", b"model-a")
+    server.model.sessions = Sessions(tmp_path / "sessions", b"model-a")
     yield server
     server.close()
 
@@ -680,11 +692,11 @@ def test_a_saved_session_survives_a_restart(with_sessions, engine, tmp_path):
     session_id = with_sessions.json("POST", "/v1/sessions", {"id": "my-chat"})[1]["id"]
     chat_turns(with_sessions, session_id)
     assert with_sessions.json("POST", f"/v1/sessions/{session_id}/save")[1]["saved"] is True
-    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-a")  # a new process
+    with_sessions.model.sessions = Sessions(tmp_path / "sessions", b"model-a")  # a new process
     assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[0] == 404
     assert with_sessions.json("POST", f"/v1/sessions/{session_id}/load")[0] == 200
     assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[1]["tokens"] > 20
-    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-b")  # another model
+    with_sessions.model.sessions = Sessions(tmp_path / "sessions", b"model-b")  # another model
     status, body = with_sessions.json("POST", f"/v1/sessions/{session_id}/load")
     assert status == 409 and "another model" in body["error"]["message"]
 
@@ -769,13 +781,13 @@ DOC = "a document that many requests start with, long enough to be worth a snaps
 def test_warm_prefills_a_prompt_and_later_requests_report_it_cached(cached):
     status, body = cached.json("POST", "/v1/warm", {"prompt": DOC})
     assert status == 200 and body["warmed"] is True and body["tokens"] > 100 and body["cached_tokens"] == 0
-    cached.app.engine.forget_idle_kv()  # as if the slots had moved on: only the cache holds it now
+    cached.model.engine.forget_idle_kv()  # as if the slots had moved on: only the cache holds it now
     status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == body["usage"][
         "prompt_tokens"] - len("question?")
     metrics = cached.request("GET", "/metrics")[1].decode()
-    assert "reame_prefix_cache_hits_total 1" in metrics
-    assert "reame_prefix_cache_snapshots_stored_total 1" in metrics
+    assert 'reame_prefix_cache_hits_total{model="reame"} 1' in metrics
+    assert 'reame_prefix_cache_snapshots_stored_total{model="reame"} 1' in metrics
     assert "# TYPE reame_prefix_cache_snapshots gauge" in metrics
 
 
@@ -783,7 +795,7 @@ def test_warm_takes_chat_messages_as_the_prefix_of_a_later_chat(cached):
     system = {"role": "system", "content": DOC}
     status, warmed = cached.json("POST", "/v1/warm", {"messages": [system]})
     assert status == 200 and warmed["warmed"] is True
-    cached.app.engine.forget_idle_kv()
+    cached.model.engine.forget_idle_kv()
     status, body = cached.json("POST", "/v1/chat/completions",
                                {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == warmed["tokens"]
@@ -815,11 +827,12 @@ def test_speculation_shows_in_usage_and_metrics():
             metrics = server.request("GET", "/metrics")[1].decode()
         finally:
             server.close()
-    assert f'reame_spec_decode_accepted_total{{source="lookup"}} {details["accepted_prediction_tokens"]}' in metrics
-    assert 'reame_spec_decode_steps_total{kind="speculative"}' in metrics
-    assert 'reame_spec_decode_acceptance{position="1"}' in metrics
-    assert 'reame_spec_decode_draft_seconds_per_token{source="lookup"}' in metrics
-    assert 'reame_spec_decode_source_acceptance{source="lookup"}' in metrics
+    assert f'reame_spec_decode_accepted_total{{model="reame",source="lookup"}} ' \
+        f'{details["accepted_prediction_tokens"]}' in metrics
+    assert 'reame_spec_decode_steps_total{kind="speculative",model="reame"}' in metrics
+    assert 'reame_spec_decode_acceptance{model="reame",position="1"}' in metrics
+    assert 'reame_spec_decode_draft_seconds_per_token{model="reame",source="lookup"}' in metrics
+    assert 'reame_spec_decode_source_acceptance{model="reame",source="lookup"}' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -827,7 +840,7 @@ def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkey
     """A client's next turn may arrive before the handler thread returns: it must not get 409 busy."""
     from reame.server.http import Handler
     busy_when_sent = []
-    sessions = with_sessions.app.sessions
+    sessions = with_sessions.model.sessions
     original_json, original_event = Handler.send_json, Handler.send_event
 
     def send_json(self, status, body, *args, **kwargs):
@@ -852,7 +865,7 @@ def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkey
 def test_a_finished_request_never_frees_the_session_for_the_next_turn(with_sessions, monkeypatch, stream):
     """The next turn reserves the session while this answer is being sent; that reservation must hold."""
     from reame.server.http import Handler
-    sessions = with_sessions.app.sessions
+    sessions = with_sessions.model.sessions
     session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
     original_json, original_event = Handler.send_json, Handler.send_event
 
@@ -878,7 +891,7 @@ def test_without_zstandard_sessions_save_and_load_raw(no_zstandard, with_session
     session_id = with_sessions.json("POST", "/v1/sessions", {"id": "raw-chat"})[1]["id"]
     chat_turns(with_sessions, session_id)
     assert with_sessions.json("POST", f"/v1/sessions/{session_id}/save")[1]["saved"] is True
-    with_sessions.app.sessions = Sessions(tmp_path / "sessions", b"model-a")
+    with_sessions.model.sessions = Sessions(tmp_path / "sessions", b"model-a")
     assert with_sessions.json("POST", f"/v1/sessions/{session_id}/load")[0] == 200
     assert with_sessions.json("GET", f"/v1/sessions/{session_id}")[1]["tokens"] > 20
 
@@ -888,7 +901,7 @@ def test_a_compressed_session_without_zstandard_is_refused_naming_the_module(wit
     from reame.cache.store import Snapshot, encode
     path = tmp_path / "sessions" / "zipped.session"
     path.parent.mkdir()
-    path.write_bytes(encode(with_sessions.app.sessions.fingerprint, Snapshot((1, 2), b"\0" * 100_000), compress=True))
+    path.write_bytes(encode(with_sessions.model.sessions.fingerprint, Snapshot((1, 2), b"\0" * 100_000), compress=True))
     with monkeypatch.context() as patched:
         patched.setitem(sys.modules, "zstandard", None)
         codec._zstandard.cache_clear()
@@ -900,7 +913,7 @@ def test_a_compressed_session_without_zstandard_is_refused_naming_the_module(wit
 
 def test_without_zstandard_the_prefix_cache_stores_and_serves(no_zstandard, cached):
     assert cached.json("POST", "/v1/warm", {"prompt": DOC})[1]["warmed"] is True
-    cached.app.engine.forget_idle_kv()
+    cached.model.engine.forget_idle_kv()
     status, body = cached.json("POST", "/v1/completions", {"prompt": DOC + "question?", "max_tokens": 3})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
 

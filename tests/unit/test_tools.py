@@ -155,8 +155,8 @@ def test_the_tool_result_round_trip_reaches_the_prompt(scripted):
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
     status, body = server.json("POST", "/v1/chat/completions", ask(messages=messages))
     assert status == 200 and body["choices"][0]["message"]["content"] == "It is sunny."
-    tokens = server.json("POST", "/tokenize", {"content": server.app.engine.chat_prompt(
-        template_messages(messages, None, server.app.engine.backend.template_supports_tools))})[1]["tokens"]
+    tokens = server.json("POST", "/tokenize", {"content": server.model.engine.chat_prompt(
+        template_messages(messages, None, server.model.engine.backend.template_supports_tools))})[1]["tokens"]
     assert len(tokens) > 20
 
 

@@ -14,13 +14,13 @@ import json
 import uuid
 from typing import Any
 
-from reame.engine import FinishEvent, GenerationRequest
+from reame.engine import Engine, FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.generation import shape
-from reame.server.service import Service, failure
-from reame.server.validation import Fields, chat_messages, sampling_params
+from reame.server.service import Service, failure, loaded
+from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
 from reame.structured.json_schema import schema_to_gbnf
 from reame.structured.requested import checked
 from reame.structured.tools import ToolCall, ToolRequest, tool_request
@@ -124,8 +124,7 @@ def thinking_switch(body: dict[str, Any], switchable: bool) -> bool | None:
     return thinking["type"] != "disabled" if switchable else None
 
 
-def prompt_of(app: Service, body: dict[str, Any]) -> tuple[str, ToolRequest | None]:
-    engine = app.ready_engine()
+def prompt_of(engine: Engine, body: dict[str, Any]) -> tuple[str, ToolRequest | None]:
     tools = tools_of(body)
     return turn.chat_prompt(engine, conversation(body), tools,
                             thinking_switch(body, engine.backend.template_thinks[1])), tools
@@ -140,15 +139,16 @@ def messages(app: Service, handler: Handler, _path: str) -> None:
     max_tokens = fields.integer("max_tokens", None, 1, None)
     if max_tokens is None:
         raise HttpError(400, "max_tokens: field required", param="max_tokens")
-    engine = app.ready_engine()
-    prompt, tools = prompt_of(app, body)
+    served = app.model(handler, model)
+    engine = loaded(served)
+    prompt, tools = prompt_of(engine, body)
     sampling = Fields({"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                        "top_k": body.get("top_k", 0), "stop": body.get("stop_sequences")})
     params = sampling_params(sampling, max_tokens, None)
     grammar = turn.answer_grammar(tools, output_grammar(body.get("output_config")), "output_config.format")
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, shape(True, tools),
+    current = turn.start(app, handler, served, request, tools, params.temperature == 0, shape(True, tools),
                          thinks=engine.backend.template_thinks[0])
     reply = Reply(model, current)
     if stream:
@@ -276,8 +276,10 @@ def tool_use(call: ToolCall) -> dict[str, Any]:
 
 def count_tokens(app: Service, handler: Handler, _path: str) -> None:
     """The prompt's tokens as /v1/messages would render it (system, messages, tools)."""
-    prompt, _ = prompt_of(app, Fields(handler.read_json()).body)
-    handler.send_json(200, {"input_tokens": len(app.ready_engine().prompt_tokens(GenerationRequest(prompt)))})
+    fields = Fields(handler.read_json())
+    engine = loaded(app.model(handler, requested_model(fields)))
+    prompt, _ = prompt_of(engine, fields.body)
+    handler.send_json(200, {"input_tokens": len(engine.prompt_tokens(GenerationRequest(prompt)))})
 
 
 ROUTES = [Route("/v1/messages", ("POST",), messages, error_body=error_body),

@@ -3,8 +3,9 @@ editor plugins, n8n): version, tags, show, ps, generate, chat, embed, embeddings
 over the same engine, caches, speculation, grammars and tool-call parsing as the OpenAI routes; streamed
 answers are JSON lines ending in Ollama's final record (durations in nanoseconds), errors `{"error": …}`.
 
-One server serves one model: every model name is answered by it (as the OpenAI routes do), and `pull`
-fetches a catalog model to this machine without serving it. Ollama's sampling defaults apply when a request
+A request's `model` picks one of the models the server serves (server.models; a server of one model answers
+to any name, as the OpenAI routes do), loaded on demand and unloaded after `keep_alive`; `pull` fetches a
+catalog model to this machine. Ollama's sampling defaults apply when a request
 leaves them out (temperature 0.8, top_k 40, top_p 0.9, repeat_penalty 1.1). Options that only configure
 Ollama's own runner (num_ctx, num_thread, num_gpu, mirostat, …) are accepted and ignored; an unknown one is
 logged and ignored, as Ollama does.
@@ -17,7 +18,8 @@ import datetime
 import hashlib
 import json
 import logging
-import os
+import math
+import re
 import time
 from typing import Any
 
@@ -29,7 +31,8 @@ from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
 from reame.server.generation import shape
-from reame.server.service import Service, failure
+from reame.server.models import FOREVER, ServedModel
+from reame.server.service import Service, failure, loaded
 from reame.server.validation import Fields, chat_messages, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
@@ -45,6 +48,11 @@ RUNNER_OPTIONS = frozenset({"num_ctx", "num_keep", "num_batch", "num_gpu", "main
                             "use_mlock", "numa", "low_vram", "vocab_only", "typical_p", "repeat_last_n", "mirostat",
                             "mirostat_tau", "mirostat_eta", "penalize_newline", "tfs_z", "f16_kv", "logits_all"})
 NDJSON = "application/x-ndjson"
+NEVER = datetime.datetime(2318, 1, 1, tzinfo=datetime.timezone.utc)  # Ollama's expiry of a model kept for ever
+UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+DURATION = re.compile(r"-?(?:\d{1,9}(?:\.\d{1,9})?(?:ms|s|m|h)?){1,4}")  # Go's durations, as Ollama parses them
+PART = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)(ms|s|m|h)?")
+MAX_KEEP_ALIVE_S = 366 * 86400.0
 
 
 def error_body(error: HttpError) -> dict[str, Any]:
@@ -55,27 +63,21 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def details(app: Service) -> dict[str, Any]:
-    """The model's `details` as Ollama lists them: from llama.cpp's description ("llama 135M Q4_1")."""
-    described = app.ready_engine().backend.describe()
-    words = str(described.get("description", "")).split()
-    parameters = int(described.get("parameters", 0))
-    size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
-    family = str(described.get("architecture", "unknown"))
-    return {"parent_model": "", "format": "gguf", "family": family, "families": [family], "parameter_size": size,
-            "quantization_level": words[-1] if len(words) >= 3 else "unknown"}
+def details(model: ServedModel) -> dict[str, Any]:
+    """The model's `details` as Ollama lists them, from its file's header (loaded or not)."""
+    facts = model.facts
+    return {"parent_model": "", "format": "gguf", "family": facts.architecture, "families": [facts.architecture],
+            "parameter_size": facts.parameter_size, "quantization_level": facts.quantization}
 
 
-def listed(app: Service) -> dict[str, Any]:
-    """The served model as /api/tags and /api/ps list it."""
-    path = app.settings.model_path
-    stat = os.stat(path) if path and os.path.exists(path) else None
-    size = stat.st_size if stat else int(app.ready_engine().backend.describe().get("size_bytes", 0))
-    modified = datetime.datetime.fromtimestamp(stat.st_mtime if stat else app.created, datetime.timezone.utc)
-    name = app.settings.model_id
-    return {"name": name, "model": name, "modified_at": modified.isoformat().replace("+00:00", "Z"), "size": size,
-            "digest": hashlib.sha256(f"{name}:{size}:{modified.timestamp()}".encode()).hexdigest(),
-            "details": details(app)}
+def listed(model: ServedModel) -> dict[str, Any]:
+    """A served model as /api/tags and /api/ps list it."""
+    facts = model.facts
+    modified = datetime.datetime.fromtimestamp(facts.modified, datetime.timezone.utc)
+    return {"name": model.name, "model": model.name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "size": facts.size_bytes,
+            "digest": hashlib.sha256(f"{facts.path}:{facts.size_bytes}:{facts.modified}".encode()).hexdigest(),
+            "details": details(model)}
 
 
 def version(app: Service, handler: Handler, _path: str) -> None:
@@ -83,29 +85,55 @@ def version(app: Service, handler: Handler, _path: str) -> None:
 
 
 def tags(app: Service, handler: Handler, _path: str) -> None:
-    handler.send_json(200, {"models": [listed(app)]})
+    handler.send_json(200, {"models": [listed(model) for model in app.models.models]})
 
 
 def ps(app: Service, handler: Handler, _path: str) -> None:
-    engine = app.ready_engine()
-    model = listed(app)
-    model.pop("modified_at")
-    handler.send_json(200, {"models": [{**model, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-                                       "context_length": engine.backend.n_ctx}]})
+    """The models loaded now, with when their keep-alive ends (far in the future: never)."""
+    running = []
+    for model in app.models.loaded():
+        entry = listed(model)
+        entry.pop("modified_at")
+        expires = model.expires_at()
+        ends = datetime.datetime.fromtimestamp(expires, datetime.timezone.utc) if expires is not None else NEVER
+        engine = model.engine
+        running.append({**entry, "size": model.memory_bytes or entry["size"], "size_vram": 0,
+                        "expires_at": ends.isoformat().replace("+00:00", "Z"),
+                        "context_length": engine.backend.n_ctx if engine is not None else model.facts.context_length})
+    handler.send_json(200, {"models": running})
 
 
 def show(app: Service, handler: Handler, _path: str) -> None:
+    """A served model's facts, from its file: it is not loaded for this."""
     fields = Fields(handler.read_json())
-    model_name(fields)
-    engine = app.ready_engine()
-    described = engine.backend.describe()
-    family = str(described.get("architecture", "unknown"))
-    capabilities = ["completion", "tools"] + (["insert"] if getattr(engine.backend, "has_fim", False) else [])
+    model = app.served(model_name(fields))
+    facts = model.facts
+    engine = model.engine
+    capabilities = ["completion", "tools"] + \
+        (["insert"] if engine is not None and getattr(engine.backend, "has_fim", False) else [])
     handler.send_json(200, {
-        "modelfile": "", "parameters": "", "template": "", "details": details(app),
-        "model_info": {"general.architecture": family, "general.parameter_count": described.get("parameters", 0),
-                       f"{family}.context_length": described.get("n_ctx_train", 0)},
-        "capabilities": capabilities, "modified_at": listed(app)["modified_at"]})
+        "modelfile": "", "parameters": "", "template": "", "details": details(model),
+        "model_info": {"general.architecture": facts.architecture,
+                       f"{facts.architecture}.context_length": facts.context_train},
+        "capabilities": capabilities, "modified_at": listed(model)["modified_at"]})
+
+
+def keep_alive_of(body: dict[str, Any]) -> float | None:
+    """`keep_alive` as Ollama takes it: seconds, or a duration ("5m", "1h30m", "45s", "0"); negative = for ever;
+    None: the server's (server.keep_alive_seconds)."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = float(value)
+    elif isinstance(value, str) and len(value) <= 64 and value.strip() and DURATION.fullmatch(value.strip()):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        seconds = sign * sum(float(number) * UNIT_SECONDS[unit or "s"] for number, unit in PART.findall(text))
+    else:
+        raise HttpError(400, "keep_alive must be a number of seconds or a duration such as \"5m\"",
+                        param="keep_alive")
+    return FOREVER if seconds < 0 else min(seconds, MAX_KEEP_ALIVE_S)
 
 
 def model_name(fields: Fields) -> str:
@@ -154,18 +182,28 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     name = model_name(fields)
-    engine = app.ready_engine()
+    keep_alive = keep_alive_of(body)
     no_images(body, "request")
     prompt = body.get("prompt", "")
     system, suffix = body.get("system"), body.get("suffix")
     for field_name, value in (("prompt", prompt), ("system", system), ("suffix", suffix)):
         if value is not None and not isinstance(value, str):
             raise fields.bad(field_name, "a string")
-    if not prompt and not suffix:  # Ollama's way to load a model: answered at once
+    if not prompt and not suffix:  # Ollama's way to load a model (and, with keep_alive 0, to unload it)
+        served = app.served(name)
+        if keep_alive == 0:
+            app.models.unload_idle(served)
+            reason = "unload"
+        else:
+            app.model(handler, name, keep_alive)
+            reason = "load"
         handler.send_json(200, {"model": name, "created_at": now(), "response": "", "done": True,
-                                "done_reason": "load"})
+                                "done_reason": reason})
         return
     params, seed = options_of(body)
+    started = time.perf_counter()
+    served = app.model(handler, name, keep_alive)
+    engine = loaded(served)
     if fields.boolean("raw", False) or not engine.backend.has_chat_template or suffix:
         text = (system + "\n\n" if system and not fields.boolean("raw", False) else "") + prompt
     else:
@@ -173,14 +211,14 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         text = engine.chat_prompt(messages, enable_thinking=think_switch(body, engine))
     request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
                                 suffix=suffix or None, streamed=fields.boolean("stream", True))
-    answer(app, handler, engine, name, request, seed, chat=False, stream=fields.boolean("stream", True))
+    answer(app, handler, served, name, request, seed, started, chat=False, stream=fields.boolean("stream", True))
 
 
 def chat(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     name = model_name(fields)
-    engine = app.ready_engine()
+    keep_alive = keep_alive_of(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise HttpError(400, "messages must be a non-empty array", param="messages")
@@ -196,25 +234,31 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     messages = chat_messages(converted)
     tools = tool_request({"tools": body["tools"]}) if body.get("tools") else None
     params, seed = options_of(body)
+    started = time.perf_counter()
+    served = app.model(handler, name, keep_alive)
+    engine = loaded(served)
     enable_thinking = think_switch(body, engine)
 
     def render(conversation: list[dict[str, Any]]) -> str:
         return turn.chat_prompt(engine, conversation, tools, enable_thinking)
-    question = chat_question(messages, render) if app.semantic is not None else None
+    question = chat_question(messages, render) if served.semantic is not None else None
     stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
     request = GenerationRequest(render(messages), dataclasses.replace(params, grammar=grammar), streamed=stream)
-    answer(app, handler, engine, name, request, seed, chat=True, stream=stream, tools=tools, question=question)
+    answer(app, handler, served, name, request, seed, started, chat=True, stream=stream, tools=tools,
+           question=question)
 
 
-def answer(app: Service, handler: Handler, engine: Any, name: str, request: GenerationRequest, seed: int | None,
-           chat: bool, stream: bool, tools: Any = None, question: Any = None) -> None:
-    """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
-    started = time.perf_counter()
+def answer(app: Service, handler: Handler, model: ServedModel, name: str, request: GenerationRequest,
+           seed: int | None, started: float, chat: bool, stream: bool, tools: Any = None,
+           question: Any = None) -> None:
+    """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object.
+    `started`: when the request began waiting for its model (perf_counter)."""
+    load_seconds = time.perf_counter() - started
     kind = shape(chat, tools)
     cacheable = request.params.temperature == 0 or seed is not None
-    current = turn.start(app, handler, engine, request, tools, cacheable, kind, question,
-                         "messages" if chat else "prompt", thinks=engine.backend.template_thinks[0] and
+    current = turn.start(app, handler, model, request, tools, cacheable, kind, question,
+                         "messages" if chat else "prompt", thinks=loaded(model).backend.template_thinks[0] and
                          (chat or not request.suffix))
     key = "message" if chat else "response"
 
@@ -234,7 +278,7 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
         try:
             for said in turn.said(app, handler, current):
                 if said.finish is not None:
-                    final = closing(said.finish, started, current.prompt_tokens, current.cached)
+                    final = closing(said.finish, started, load_seconds, current.prompt_tokens, current.cached)
                     failed = failure(said.finish)
                     if failed is not None:
                         handler.send_line({"error": failed.message})
@@ -252,8 +296,8 @@ def answer(app: Service, handler: Handler, engine: Any, name: str, request: Gene
         return  # the client left
     calls, finish = ended
     whole = piece(current.choice.text, calls, "".join(current.choice.thinking))
-    handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, current.prompt_tokens,
-                                                                current.cached)})
+    handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, load_seconds,
+                                                                current.prompt_tokens, current.cached)})
 
 
 def think_switch(body: dict[str, Any], engine: Any) -> bool | None:
@@ -275,12 +319,14 @@ def call_arguments(call: ToolCall) -> Any:
         return call.arguments
 
 
-def closing(finish: FinishEvent, started: float, prompt_tokens: int, cached: bool) -> dict[str, Any]:
-    """Ollama's final record: why it ended, the counts, the durations in nanoseconds."""
+def closing(finish: FinishEvent, started: float, load_seconds: float, prompt_tokens: int,
+            cached: bool) -> dict[str, Any]:
+    """Ollama's final record: why it ended, the counts, the durations in nanoseconds (`load_seconds`: the
+    wait for the model to be loaded)."""
     usage = finish.usage
     return {"done": True, "done_reason": "length" if finish.reason == "length" else "stop",
-            "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
-            "prompt_eval_count": prompt_tokens if not cached else 0,
+            "total_duration": int((time.perf_counter() - started) * 1e9),
+            "load_duration": int(load_seconds * 1e9), "prompt_eval_count": prompt_tokens if not cached else 0,
             "prompt_eval_duration": int(usage.prompt_seconds * 1e9), "eval_count": usage.completion_tokens,
             "eval_duration": int(usage.decode_seconds * 1e9)}
 
@@ -290,7 +336,7 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     `embedding`)."""
     fields = Fields(handler.read_json())
     name = model_name(fields)
-    engine = app.ready_engine()
+    keep_alive = keep_alive_of(fields.body)
     older = path == "/api/embeddings"
     inputs = fields.body.get("prompt") if older else fields.body.get("input")
     texts = [inputs] if isinstance(inputs, str) else inputs
@@ -298,25 +344,30 @@ def embed(app: Service, handler: Handler, path: str) -> None:
         raise HttpError(400, "prompt must be a string" if older else "input must be a string or an array of "
                         "strings", param="prompt" if older else "input")
     started = time.perf_counter()
-    tokens = [engine.backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
-    vectors = app.embeddings(handler, engine, tokens)
+    served = app.model(handler, name, keep_alive)
+    loaded_at = time.perf_counter()
+    backend = loaded(served).backend
+    tokens = [backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
+    vectors = app.embeddings(handler, served, tokens)
     if vectors is None:
         return
     if older:
         handler.send_json(200, {"embedding": vectors[0]})
         return
     handler.send_json(200, {"model": name, "embeddings": vectors, "total_duration":
-                            int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                            int((time.perf_counter() - started) * 1e9),
+                            "load_duration": int((loaded_at - started) * 1e9),
                             "prompt_eval_count": sum(map(len, tokens))})
 
 
 def pull(app: Service, handler: Handler, _path: str) -> None:
-    """Fetch a catalog model to this machine (it is not served by this process: one server, one model)."""
+    """Fetch a catalog model to this machine. A server serves the models its settings name
+    (server.models): a model pulled here is served once they name it."""
     fields = Fields(handler.read_json())
     name = model_name(fields)
     stream = fields.boolean("stream", True)
     entry = catalog.resolve(name.removesuffix(":latest"))
-    if entry is None and name.removesuffix(":latest") != app.settings.model_id:
+    if entry is None and not any(model.answers_to(name) for model in app.models.models):
         raise HttpError(404, f"pull model manifest: file does not exist: '{name}' is not in Reame's catalog "
                         f"(reame list)", code="model_not_found")
     steps = [{"status": "pulling manifest"}]

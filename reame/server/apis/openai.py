@@ -15,28 +15,33 @@ from reame.server import generation, turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
-from reame.server.service import POLL_S, Service
-from reame.server.validation import (Fields, best_of, chat_messages, check_model, completion_prompts,
-                                     embedding_inputs)
+from reame.server.service import POLL_S, Service, loaded
+from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts, embedding_inputs,
+                                     requested_model)
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import tool_request
 
 
 def models(app: Service, handler: Handler, _path: str) -> None:
-    handler.send_json(200, {"object": "list", "data": [app.model_card()]})
+    handler.send_json(200, {"object": "list", "data": [app.model_card(model) for model in app.models.models]})
 
 
 def model(app: Service, handler: Handler, path: str) -> None:
-    if path[len("/v1/models/"):] != app.settings.model_id:
-        raise HttpError(404, f"the model '{path[len('/v1/models/'):]}' does not exist; this server "
-                        f"serves '{app.settings.model_id}'", param="model", code="model_not_found")
-    handler.send_json(200, app.model_card())
+    """One served model's card, by its name or an alias."""
+    wanted = path[len("/v1/models/"):]
+    found = next((served for served in app.models.models if served.answers_to(wanted)), None)
+    if found is None:
+        raise HttpError(404, f"the model '{wanted[:100]}' does not exist; this server serves "
+                        f"{', '.join(repr(served.name) for served in app.models.models)}", param="model",
+                        code="model_not_found")
+    handler.send_json(200, app.model_card(found))
 
 
 def warm(app: Service, handler: Handler, _path: str) -> None:
     """Prefill a prompt (or a chat's messages, without the assistant turn) into the prefix cache."""
     fields = Fields(handler.read_json())
-    engine = app.ready_engine()
+    served = app.model(handler, requested_model(fields))
+    engine = loaded(served)
     if "messages" in fields.body:
         prompt: Any = engine.backend.apply_chat_template(chat_messages(fields.body["messages"]),
                                                          add_assistant=False)
@@ -57,7 +62,7 @@ def warm(app: Service, handler: Handler, _path: str) -> None:
         try:
             finish = next(event for event in handle.events(POLL_S) if isinstance(event, FinishEvent))
         except queue.Empty:
-            app.check_engine()
+            app.models.check(served)
             if handler.client_gone():
                 handle.cancel()
                 handler.close_connection = True
@@ -77,14 +82,15 @@ def tokenize(app: Service, handler: Handler, _path: str) -> None:
     content = fields.body.get("content")
     if not isinstance(content, str):
         raise fields.bad("content", "a string")
-    tokens = app.ready_engine().backend.tokenize(content, add_special=fields.boolean("add_special", False))
+    backend = loaded(app.model(handler, requested_model(fields))).backend
+    tokens = backend.tokenize(content, add_special=fields.boolean("add_special", False))
     handler.send_json(200, {"tokens": tokens})
 
 
 def detokenize(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
     tokens = fields.body.get("tokens")
-    backend = app.ready_engine().backend
+    backend = loaded(app.model(handler, requested_model(fields))).backend
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise fields.bad("tokens", "an array of token ids")
     if any(not 0 <= t < backend.n_vocab for t in tokens):
@@ -96,8 +102,8 @@ def detokenize(app: Service, handler: Handler, _path: str) -> None:
 def embeddings(app: Service, handler: Handler, _path: str) -> None:
     """OpenAI's embeddings: one unit-length vector per input, from the model's embedding context."""
     fields = Fields(handler.read_json())
-    engine = app.ready_engine()
-    check_model(fields)
+    served = app.model(handler, requested_model(fields))
+    engine = loaded(served)
     encoding = fields.body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise HttpError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format",
@@ -108,20 +114,19 @@ def embeddings(app: Service, handler: Handler, _path: str) -> None:
                         f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
     inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
               else list(item) for item in embedding_inputs(fields.body.get("input"))]
-    vectors = app.embeddings(handler, engine, inputs)
+    vectors = app.embeddings(handler, served, inputs)
     if vectors is None:
         return
     data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
             for index, vector in enumerate(vectors)]
     used = sum(len(tokens) for tokens in inputs)
-    handler.send_json(200, {"object": "list", "data": data, "model": app.settings.model_id,
+    handler.send_json(200, {"object": "list", "data": data, "model": served.name,
                             "usage": {"prompt_tokens": used, "total_tokens": used}})
 
 
 def completions(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
-    engine = app.ready_engine()
-    check_model(fields)
+    served = app.model(handler, requested_model(fields))
     prompts = completion_prompts(fields.body.get("prompt"))
     suffix = fields.body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
@@ -132,14 +137,14 @@ def completions(app: Service, handler: Handler, _path: str) -> None:
         raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
                         code="unsupported_parameter")
     max_tokens = fields.integer("max_tokens", 16, 1, None)
-    generation.generate(app, handler, fields, engine, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
+    generation.generate(app, handler, fields, served, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
                   suffix=suffix, grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False))
 
 
 def chat_completions(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
-    engine = app.ready_engine()
-    check_model(fields)
+    served = app.model(handler, requested_model(fields))
+    engine = loaded(served)
     for legacy in ("functions", "function_call"):
         if fields.body.get(legacy):
             raise HttpError(400, f"'{legacy}' is deprecated and not supported: use 'tools' and 'tool_choice'",
@@ -160,8 +165,8 @@ def chat_completions(app: Service, handler: Handler, _path: str) -> None:
 
     def render(messages: list[dict[str, Any]]) -> str:
         return turn.chat_prompt(engine, messages, tools, enable_thinking)
-    question = chat_question(messages, render) if app.semantic is not None else None
-    generation.generate(app, handler, fields, engine, [render(messages)], max_tokens, chat=True, echo=False,
+    question = chat_question(messages, render) if served.semantic is not None else None
+    generation.generate(app, handler, fields, served, [render(messages)], max_tokens, chat=True, echo=False,
                         logprobs=logprobs, tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True),
                         question=question, thinks=thinks)
 

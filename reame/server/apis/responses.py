@@ -18,8 +18,8 @@ from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.generation import shape
-from reame.server.service import Service, failure
-from reame.server.validation import Fields, chat_messages, sampling_params
+from reame.server.service import Service, failure, loaded
+from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import ToolCall, ToolRequest, tool_request
 
@@ -109,10 +109,9 @@ def text_format(body: dict[str, Any]) -> str | None:
 def create(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise fields.bad("model", "a string")
-    engine = app.ready_engine()
+    model = requested_model(fields)
+    served = app.model(handler, model)
+    engine = loaded(served)
     earlier: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
@@ -133,9 +132,9 @@ def create(app: Service, handler: Handler, _path: str) -> None:
     params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
     stream = fields.boolean("stream", False)
     request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    current = turn.start(app, handler, engine, request, tools, params.temperature == 0, shape(True, tools),
+    current = turn.start(app, handler, served, request, tools, params.temperature == 0, shape(True, tools),
                          prompt_param="input", thinks=thinks)
-    reply = Reply(app, handler, body, model or app.settings.model_id, current, messages,
+    reply = Reply(app, handler, body, model or served.name, current, messages,
                   fields.boolean("store", True), previous)
     if stream:
         reply.stream()

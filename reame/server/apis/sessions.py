@@ -1,16 +1,19 @@
-"""Reame's sessions: a conversation's KV kept between requests, created, described, saved, loaded, deleted."""
+"""Reame's sessions: a conversation's KV kept between requests, created, described, saved, loaded, deleted.
+Each served model has its own: the body's `model` (creating) or `?model=` names it (none: the first model)."""
 
 from __future__ import annotations
+
+from urllib.parse import parse_qs
 
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.service import Service
-from reame.server.validation import Fields
+from reame.server.validation import Fields, requested_model
 
 
 def create_session(app: Service, handler: Handler, _path: str) -> None:
-    sessions = app.ready_sessions()
     body = handler.read_json() if handler.read_body() else {}  # the body is optional
+    sessions = app.ready_sessions(app.served(requested_model(Fields(body))))
     wanted = Fields(body).body.get("id")
     if wanted is not None and not isinstance(wanted, str):
         raise Fields(body).bad("id", "a string")
@@ -19,7 +22,7 @@ def create_session(app: Service, handler: Handler, _path: str) -> None:
 
 
 def session(app: Service, handler: Handler, path: str) -> None:
-    sessions, owner = app.ready_sessions(), handler.owner
+    sessions, owner = app.ready_sessions(app.served(query_model(handler))), handler.owner
     session_id, _, action = path[len("/v1/sessions/"):].partition("/")
     if action == "" and handler.command == "GET":
         handler.send_json(200, sessions.describe(owner, session_id))
@@ -37,6 +40,14 @@ def session(app: Service, handler: Handler, path: str) -> None:
     else:
         raise HttpError(404, f"unknown session action: {action}", code="not_found")
 
+
+def query_model(handler: Handler) -> str | None:
+    """The `?model=` of a session's path (None: none)."""
+    try:
+        named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get("model")
+    except ValueError:
+        raise HttpError(400, "too many query parameters", param="model") from None
+    return named[0] if named else None
 
 
 ROUTES = [
