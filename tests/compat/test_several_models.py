@@ -1,6 +1,7 @@
 """One `reame run --serve` answering for two real models in turn with one loaded at a time: SmolLM2 (the first)
-and Qwen2.5-Coder-0.5B (server.models, named "coder"), asked through the `ollama` and `openai` clients; each
-answers as it does served alone, a swap frees the other's memory, and Ollama's keep_alive unloads."""
+and Qwen2.5-Coder-0.5B (server.models, named "coder") under a RAM budget that holds one, asked through the
+`ollama` and `openai` clients; each answers as it does served alone, a swap frees the other's memory, and
+Ollama's keep_alive unloads."""
 
 import os
 import sys
@@ -42,8 +43,9 @@ def alone(native_libraries, smollm2_path, model_path):
 @pytest.fixture(scope="module")
 def two(native_libraries, smollm2_path, model_path, tmp_path_factory):
     coder = model_path("qwen2.5-coder-0.5b")
+    # A RAM budget for one model: SmolLM2's ~220 MB or Qwen's ~630 MB (estimated), not both.
     env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_SERVER_MODELS=f"coder|qwen={coder}",
-               REAME_SERVER_MAX_LOADED_MODELS="1", REAME_CACHE_ANSWERS="false")
+               REAME_SERVER_MODELS_RAM_MB="700", REAME_CACHE_ANSWERS="false")
     with live_server(command(smollm2_path), env=env) as live:
         yield live
 
