@@ -29,6 +29,7 @@ from reame.speculative.suggeritore import Suggeritore
 
 if TYPE_CHECKING:
     from reame.arca.client import StoreCommands
+    from reame.embedder import ModelEmbedder
     from reame.semantic import SemanticCache
 
 log = logging.getLogger("reame")
@@ -194,18 +195,20 @@ def answer_tiers(settings: Settings, ram: bool) -> list[AnswerTier]:
     return tiers
 
 
-def semantic_caches(settings: Settings, models: list[tuple[bytes, AnswerCache | None]]) -> list[SemanticCache | None]:
-    """Each model's semantic answer cache (for its fingerprint and exact answer cache) if cache.semantic is
-    on, all with one embedding model, loaded here; None for a model without the exact answer cache the
-    semantic one keeps answers in, and for all, with a warning, when the embedding model does not load: a
-    cache is a speed-up."""
+def semantic_caches(settings: Settings, fingerprints: list[bytes],
+                    answers_kept: bool) -> tuple[list[SemanticCache | None], ModelEmbedder | None]:
+    """Each model's semantic answer cache (one per fingerprint) if cache.semantic is on, and the one embedding
+    model they share, loaded here (None: the models embed questions themselves, `served`). No caches, with a
+    warning, without the exact answer cache they keep answers in (`answers_kept`) or when the embedding model
+    does not load: a cache is a speed-up."""
     options = settings.semantic
+    none: list[SemanticCache | None] = [None] * len(fingerprints)
     if not options.enabled:
-        return [None] * len(models)
+        return none, None
     from reame.semantic import SemanticCache, SemanticIndex  # only a server with the cache on loads it
-    if all(answers is None for _, answers in models):
+    if not answers_kept:
         log.warning("the semantic cache is off: it keeps its answers in the exact answer cache, which is off")
-        return [None] * len(models)
+        return none, None
     embedder = None
     if options.model == SERVED_EMBEDDINGS:
         log.warning("semantic cache: the served model's own embeddings gave wrong answers at every threshold in "
@@ -216,13 +219,13 @@ def semantic_caches(settings: Settings, models: list[tuple[bytes, AnswerCache | 
             embedder = ModelEmbedder(resolve_model(options.model, progress_stream())[0])
         except ReameError as error:
             log.warning("the semantic cache is off: cannot load its embedding model %s (%s)", options.model, error)
-            return [None] * len(models)
+            return none, None
     log.info("semantic cache: questions within cosine %.2f of an answered one, embedded by %s%s",
              options.threshold, options.model, ", shared through the store" if settings.arca.remote else "")
     return [SemanticCache(SemanticIndex(fingerprint, embedder.identity if embedder else fingerprint.hex(),
                                         options.threshold, shared_store(settings) if settings.arca.remote else None,
                                         settings.arca.answer_ttl_ms), embedder)
-            if answers is not None else None for fingerprint, answers in models]
+            for fingerprint in fingerprints], embedder
 
 
 def shared_store(settings: Settings) -> StoreCommands:

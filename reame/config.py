@@ -74,7 +74,7 @@ KEYS: tuple[Key, ...] = (
         minimum=0.1),
     Key("server.shutdown_grace_seconds", "float", 30, "on SIGTERM/SIGINT, time left to requests in flight",
         minimum=0),
-    Key("server.model_id", "str", "", "model id in /v1/models and responses; empty = the model's name"),
+    Key("server.model_id", "str", "", "the first model's id in /v1/models and responses; empty = its name"),
     Key("server.node_name", "str", "", "this node's name in every response's X-Reame-Node header (which node of a "
         "fleet answered); empty = the host name"),
     Key("server.parallel", "int", 0, "sequences generated together in one batch when serving; 0 = chosen (4)",

@@ -62,13 +62,11 @@ class Planned:
 def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
     """Listen, load the first model, serve it and the others server.models names until a signal."""
     server = settings.server
-    n_seq = chosen["server.parallel"].value
-    first = Planned(names_of(server.model_id, path, entry), path, chosen, model_settings(path, settings, chosen, n_seq))
-    planned = with_others(settings, [first])
+    planned = with_others(settings, [planned_model(settings, names_of(server.model_id, path, entry), path, chosen)])
     tiers = answer_tiers(settings, ram=True)
     fingerprints = [item.model.kv_fingerprint() for item in planned]
     answers = [AnswerCache(tiers, fingerprint) if tiers else None for fingerprint in fingerprints]
-    semantic = semantic_caches(settings, list(zip(fingerprints, answers)))
+    semantic, embedder = semantic_caches(settings, fingerprints, answers_kept=bool(tiers))
     models = [ServedModel(item.names[0], tuple(item.names[1:]), file_facts(item.path, item.model.n_ctx),
                           memory_estimate(item),
                           Sessions(cache_root() / "sessions" / directory_name(item.names[0]), fingerprint,
@@ -96,8 +94,12 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
                  "for ever" if server.keep_alive_s < 0 else f"{server.keep_alive_s:g} s")
     pool = ModelPool(models, load, server.max_loaded_models, budget,
                      FOREVER if server.keep_alive_s < 0 else server.keep_alive_s, server.queue_timeout_s)
-    embedders = {id(cache.embedder): cache.embedder for cache in semantic if cache is not None and cache.embedder}
-    return serve(server_settings(settings), pool, lambda: [embedder.close() for embedder in embedders.values()])
+    return serve(server_settings(settings), pool, embedder.close if embedder is not None else lambda: None)
+
+
+def planned_model(settings: Settings, names: list[str], path: Path, chosen: Plan) -> Planned:
+    """A model to serve with what autoconfig chose for it, as many slots as it chose."""
+    return Planned(names, path, chosen, model_settings(path, settings, chosen, chosen["server.parallel"].value))
 
 
 def names_of(chosen_name: str, path: Path, entry: catalog.ModelEntry | None, more: tuple[str, ...] = ()) -> list[str]:
@@ -118,9 +120,8 @@ def with_others(settings: Settings, planned: list[Planned]) -> list[Planned]:
         if same is not None:
             same.names = list(dict.fromkeys([*same.names, *spec.names]))
             continue
-        chosen = plan(settings, path, entry)
-        planned.append(Planned(names_of(spec.names[0] if spec.names else "", path, entry, spec.names[1:]), path,
-                               chosen, model_settings(path, settings, chosen, chosen["server.parallel"].value)))
+        planned.append(planned_model(settings, names_of(spec.names[0] if spec.names else "", path, entry,
+                                                        spec.names[1:]), path, plan(settings, path, entry)))
     claimed: dict[str, Planned] = {}
     for item in planned:
         for name in item.names:

@@ -41,7 +41,7 @@ class ModelFacts:
     modified: float = 0.0  # the file's mtime
     architecture: str = "unknown"
     quantization: str = "unknown"
-    parameter_size: str = ""  # "135M", "0.5B": the file's size label
+    parameter_size: str = "unknown"  # "135M", "0.5B": the file's size label
     context_train: int = 0
     context_length: int = 0  # what this server gives it (planned when not loaded)
 
@@ -65,12 +65,17 @@ class ServedModel:
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic; None: never (pinned, or a keep-alive of FOREVER)
     draining: bool = False  # another model waits for its room: no new requests until it is unloaded
-    load_error: str = ""
 
     def answers_to(self, requested: str) -> bool:
         """Whether a request's `model` names this one: its name, an alias, or either with Ollama's `:latest`."""
         wanted = requested.strip().lower().removesuffix(":latest")
         return wanted in (name.lower() for name in (self.name, *self.aliases))
+
+    def context_length(self) -> int:
+        """Its context in tokens: the engine's while loaded (llama.cpp may round what was asked), else the
+        planned one."""
+        engine = self.engine
+        return engine.backend.n_ctx if engine is not None else self.facts.context_length
 
     def expires_at(self) -> float | None:
         """When its keep-alive ends, as wall-clock time (None: never, or not loaded)."""
@@ -145,41 +150,38 @@ class ModelPool:
         waiting_for_room = False
         try:
             while True:
+                victims: list[ServedModel] | None = None
                 with self._lock:
-                    if model.state == "loaded" and model.users == 0 and self._load is not None and \
-                            model.engine is not None and model.engine.status.dead:
+                    engine = model.engine
+                    failed = model.state == "loaded" and model.users == 0 and self._load is not None and \
+                        engine is not None and bool(engine.status.dead)
+                    if failed:
                         model.state = "unloading"  # a failed engine, idle: load the model afresh
-                        failed = True
-                    else:
-                        failed = False
-                if failed:
-                    self._unload(model, "its engine failed")
-                    continue
-                with self._lock:
-                    if model.state == "loaded" and not model.draining:
-                        assert model.engine is not None
+                    elif model.state == "loaded" and not model.draining:
+                        assert engine is not None
                         model.users += 1
                         model.last_used = time.monotonic()
-                        return model.engine
-                    if self._closed:
+                        return engine
+                    elif self._closed:
                         raise ModelUnavailable("the server is shutting down", retry=True)
-                    task = None
-                    if model.state == "unloaded":
+                    elif model.state == "unloaded":
                         if self._load is None:
                             raise ModelUnavailable(f"model '{model.name}' is not loaded", retry=False)
                         victims = self._make_room(model)
                         if victims is not None:
-                            task = victims
                             model.state = "loading"
                             for victim in victims:
                                 victim.state = "unloading"
                         elif not waiting_for_room:
                             waiting_for_room = True
                             self._room_waiters += 1
-                    if task is None:
-                        self._lock.wait(WAIT_POLL_S)
-                if task is not None:
-                    for victim in task:
+                    if not failed and victims is None:
+                        self._lock.wait(WAIT_POLL_S)  # loading, unloading, draining, or no room yet
+                if failed:
+                    self._unload(model, "its engine failed")
+                    continue
+                if victims is not None:
+                    for victim in victims:
                         self._unload(victim, "to make room for " + model.name)
                     return self._load_now(model)  # held by this caller already; ModelUnavailable if it fails
                 if gone():
@@ -321,14 +323,14 @@ class ModelPool:
             engine = self._load(model)
         except Exception as error:  # a file that fails to load: this request fails, the next one tries again
             with self._lock:
-                model.state, model.load_error = "unloaded", str(error)
+                model.state = "unloaded"
                 self._lock.notify_all()
             if reraise:
                 raise
             log.error("cannot load model %s: %s", model.name, error)
             raise ModelUnavailable(f"cannot load model '{model.name}': {error}", retry=False) from None
         with self._lock:
-            model.engine, model.state, model.draining, model.load_error = engine, "loaded", False, ""
+            model.engine, model.state, model.draining = engine, "loaded", False
             model.last_used, model.expires = time.monotonic(), None
             model.users += 1
             self.loads += 1

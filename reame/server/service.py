@@ -159,10 +159,9 @@ class Service:
         """A model as /v1/models lists it: OpenAI's fields, then Reame's (loaded or not, its aliases, context
         length, file size and quantization)."""
         facts = model.facts
-        engine = model.engine
         return {"id": model.name, "object": "model", "created": self.created, "owned_by": "reame",
                 "reame": {"loaded": model.state == "loaded", "aliases": list(model.aliases),
-                          "context_length": engine.backend.n_ctx if engine is not None else facts.context_length,
+                          "context_length": model.context_length(),
                           "size_bytes": facts.size_bytes, "quantization": facts.quantization,
                           "architecture": facts.architecture, "parameter_size": facts.parameter_size}}
 

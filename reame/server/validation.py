@@ -153,12 +153,12 @@ def semantic_cache_allowed(fields: Fields) -> bool:
     return extension(fields).boolean("semantic", True)
 
 
-def requested_model(fields: Fields, name: str = "model") -> str | None:
+def requested_model(fields: Fields) -> str | None:
     """The model a request names (None: it names none), which must be a string; which model that is, the
     server's pool says (server/models.py)."""
-    model = fields.body.get(name)
+    model = fields.body.get("model")
     if model is not None and not isinstance(model, str):
-        raise fields.bad(name, "a string")
+        raise fields.bad("model", "a string")
     return model
 
 

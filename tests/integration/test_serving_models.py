@@ -6,13 +6,12 @@ import pytest
 from reame import config
 from reame.assembly import plan
 from reame.errors import ConfigError
-from reame.serving import Planned, file_facts, memory_estimate, model_settings, names_of, with_others
+from reame.serving import Planned, file_facts, memory_estimate, names_of, planned_model, with_others
 from reame.settings import from_values
 
 
 def first(settings, path) -> Planned:
-    chosen = plan(settings, path, None)
-    return Planned(names_of("", path, None), path, chosen, model_settings(path, settings, chosen, 1))
+    return planned_model(settings, names_of("", path, None), path, plan(settings, path, None))
 
 
 def test_a_files_facts_come_from_its_header(smollm2_path, model_path):

@@ -145,3 +145,33 @@ def test_keep_alive_refuses_anything_else_quickly(value):
     except HttpError as error:
         assert error.status == 400 and error.param == "keep_alive"
     assert time.perf_counter() - started < 0.05
+
+
+def test_hostile_model_names_are_refused_quickly_and_load_nothing(two):
+    huge = "m" * (1 << 20)
+    for body in ({"model": huge}, {"model": ["coder"]}, {"model": {"$gt": ""}}, {"model": 10**30}):
+        started = time.perf_counter()
+        status, answer = two.json("POST", "/v1/chat/completions", {**body, "messages": QUESTION, "max_tokens": 2})
+        assert status in (400, 404) and time.perf_counter() - started < 1
+        assert len(answer["error"]["message"]) < 500  # the name is not echoed whole
+        status, answer = two.json("POST", "/api/chat", {**body, "messages": QUESTION, "stream": False})
+        assert status in (400, 404) and len(answer["error"]) < 500
+    assert two.json("GET", "/v1/models/" + "m" * 60_000)[0] == 404
+    assert [model.name for model in two.app.models.loaded()] == ["small"] and two.app.models.loads == 1
+
+
+def test_a_sessions_model_query_is_bounded(two):
+    assert two.json("GET", "/v1/sessions/mine?" + "&".join(f"k{i}=v" for i in range(100)))[0] == 400
+    assert two.json("GET", "/v1/sessions/mine?model=" + "x" * 50_000)[0] == 404
+    assert two.json("POST", "/v1/sessions", {"model": "coder", "id": "mine"})[0] == 200
+    assert two.json("GET", "/v1/sessions/mine?model=coder&model=small")[0] == 200  # the first one counts
+
+
+@pytest.mark.parametrize("text", ['{"architecture": "llama"}', "[]", "not json", '{"architecture": 1, '
+                                  '"quantization": "Q4_0", "parameter_size": "1B", "context_train": 5}',
+                                  '{"architecture": "a", "quantization": "b", "parameter_size": "c", '
+                                  '"context_train": true}'])
+def test_a_remembered_summary_that_is_not_one_is_refused(text):
+    from reame.serving import parse_summary
+    with pytest.raises(ValueError):
+        parse_summary(text)

@@ -60,7 +60,12 @@ def error_body(error: HttpError) -> dict[str, Any]:
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return timestamp(datetime.datetime.now(datetime.timezone.utc))
+
+
+def timestamp(moment: datetime.datetime) -> str:
+    """A UTC time as Ollama writes it ("…Z")."""
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def details(model: ServedModel) -> dict[str, Any]:
@@ -74,7 +79,7 @@ def listed(model: ServedModel) -> dict[str, Any]:
     """A served model as /api/tags and /api/ps list it."""
     facts = model.facts
     modified = datetime.datetime.fromtimestamp(facts.modified, datetime.timezone.utc)
-    return {"name": model.name, "model": model.name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
+    return {"name": model.name, "model": model.name, "modified_at": timestamp(modified),
             "size": facts.size_bytes,
             "digest": hashlib.sha256(f"{facts.path}:{facts.size_bytes}:{facts.modified}".encode()).hexdigest(),
             "details": details(model)}
@@ -96,10 +101,8 @@ def ps(app: Service, handler: Handler, _path: str) -> None:
         entry.pop("modified_at")
         expires = model.expires_at()
         ends = datetime.datetime.fromtimestamp(expires, datetime.timezone.utc) if expires is not None else NEVER
-        engine = model.engine
         running.append({**entry, "size": model.memory_bytes or entry["size"], "size_vram": 0,
-                        "expires_at": ends.isoformat().replace("+00:00", "Z"),
-                        "context_length": engine.backend.n_ctx if engine is not None else model.facts.context_length})
+                        "expires_at": timestamp(ends), "context_length": model.context_length()})
     handler.send_json(200, {"models": running})
 
 
@@ -201,8 +204,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
                                 "done_reason": reason})
         return
     params, seed = options_of(body)
-    started = time.perf_counter()
-    served = app.model(handler, name, keep_alive)
+    served, waited = held(app, handler, name, keep_alive)
     engine = loaded(served)
     if fields.boolean("raw", False) or not engine.backend.has_chat_template or suffix:
         text = (system + "\n\n" if system and not fields.boolean("raw", False) else "") + prompt
@@ -211,7 +213,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         text = engine.chat_prompt(messages, enable_thinking=think_switch(body, engine))
     request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
                                 suffix=suffix or None, streamed=fields.boolean("stream", True))
-    answer(app, handler, served, name, request, seed, started, chat=False, stream=fields.boolean("stream", True))
+    answer(app, handler, served, name, request, seed, waited, chat=False, stream=fields.boolean("stream", True))
 
 
 def chat(app: Service, handler: Handler, _path: str) -> None:
@@ -234,8 +236,7 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     messages = chat_messages(converted)
     tools = tool_request({"tools": body["tools"]}) if body.get("tools") else None
     params, seed = options_of(body)
-    started = time.perf_counter()
-    served = app.model(handler, name, keep_alive)
+    served, waited = held(app, handler, name, keep_alive)
     engine = loaded(served)
     enable_thinking = think_switch(body, engine)
 
@@ -245,16 +246,35 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
     request = GenerationRequest(render(messages), dataclasses.replace(params, grammar=grammar), streamed=stream)
-    answer(app, handler, served, name, request, seed, started, chat=True, stream=stream, tools=tools,
+    answer(app, handler, served, name, request, seed, waited, chat=True, stream=stream, tools=tools,
            question=question)
 
 
+@dataclasses.dataclass(frozen=True)
+class Waited:
+    """How long a request waited for its model: Ollama's load_duration, and the start of its total_duration."""
+
+    started: float  # perf_counter
+    load_seconds: float
+
+
+def held(app: Service, handler: Handler, name: str, keep_alive: float | None) -> tuple[ServedModel, Waited]:
+    """The request's model, held for it (Service.model), and how long that took."""
+    started = time.perf_counter()
+    served = app.model(handler, name, keep_alive)
+    return served, Waited(started, time.perf_counter() - started)
+
+
+def durations(waited: Waited) -> dict[str, int]:
+    """total_duration (until now) and load_duration, in nanoseconds."""
+    return {"total_duration": int((time.perf_counter() - waited.started) * 1e9),
+            "load_duration": int(waited.load_seconds * 1e9)}
+
+
 def answer(app: Service, handler: Handler, model: ServedModel, name: str, request: GenerationRequest,
-           seed: int | None, started: float, chat: bool, stream: bool, tools: Any = None,
+           seed: int | None, waited: Waited, chat: bool, stream: bool, tools: Any = None,
            question: Any = None) -> None:
-    """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object.
-    `started`: when the request began waiting for its model (perf_counter)."""
-    load_seconds = time.perf_counter() - started
+    """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
     kind = shape(chat, tools)
     cacheable = request.params.temperature == 0 or seed is not None
     current = turn.start(app, handler, model, request, tools, cacheable, kind, question,
@@ -278,7 +298,7 @@ def answer(app: Service, handler: Handler, model: ServedModel, name: str, reques
         try:
             for said in turn.said(app, handler, current):
                 if said.finish is not None:
-                    final = closing(said.finish, started, load_seconds, current.prompt_tokens, current.cached)
+                    final = closing(said.finish, waited, current.prompt_tokens, current.cached)
                     failed = failure(said.finish)
                     if failed is not None:
                         handler.send_line({"error": failed.message})
@@ -296,8 +316,8 @@ def answer(app: Service, handler: Handler, model: ServedModel, name: str, reques
         return  # the client left
     calls, finish = ended
     whole = piece(current.choice.text, calls, "".join(current.choice.thinking))
-    handler.send_json(200, {**whole, key: whole[key], **closing(finish, started, load_seconds,
-                                                                current.prompt_tokens, current.cached)})
+    handler.send_json(200, {**whole, key: whole[key], **closing(finish, waited, current.prompt_tokens,
+                                                                current.cached)})
 
 
 def think_switch(body: dict[str, Any], engine: Any) -> bool | None:
@@ -319,14 +339,11 @@ def call_arguments(call: ToolCall) -> Any:
         return call.arguments
 
 
-def closing(finish: FinishEvent, started: float, load_seconds: float, prompt_tokens: int,
-            cached: bool) -> dict[str, Any]:
-    """Ollama's final record: why it ended, the counts, the durations in nanoseconds (`load_seconds`: the
-    wait for the model to be loaded)."""
+def closing(finish: FinishEvent, waited: Waited, prompt_tokens: int, cached: bool) -> dict[str, Any]:
+    """Ollama's final record: why it ended, the counts, the durations in nanoseconds."""
     usage = finish.usage
-    return {"done": True, "done_reason": "length" if finish.reason == "length" else "stop",
-            "total_duration": int((time.perf_counter() - started) * 1e9),
-            "load_duration": int(load_seconds * 1e9), "prompt_eval_count": prompt_tokens if not cached else 0,
+    return {"done": True, "done_reason": "length" if finish.reason == "length" else "stop", **durations(waited),
+            "prompt_eval_count": prompt_tokens if not cached else 0,
             "prompt_eval_duration": int(usage.prompt_seconds * 1e9), "eval_count": usage.completion_tokens,
             "eval_duration": int(usage.decode_seconds * 1e9)}
 
@@ -343,9 +360,7 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
         raise HttpError(400, "prompt must be a string" if older else "input must be a string or an array of "
                         "strings", param="prompt" if older else "input")
-    started = time.perf_counter()
-    served = app.model(handler, name, keep_alive)
-    loaded_at = time.perf_counter()
+    served, waited = held(app, handler, name, keep_alive)
     backend = loaded(served).backend
     tokens = [backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
     vectors = app.embeddings(handler, served, tokens)
@@ -354,9 +369,7 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     if older:
         handler.send_json(200, {"embedding": vectors[0]})
         return
-    handler.send_json(200, {"model": name, "embeddings": vectors, "total_duration":
-                            int((time.perf_counter() - started) * 1e9),
-                            "load_duration": int((loaded_at - started) * 1e9),
+    handler.send_json(200, {"model": name, "embeddings": vectors, **durations(waited),
                             "prompt_eval_count": sum(map(len, tokens))})
 
 
