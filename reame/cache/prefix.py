@@ -51,7 +51,7 @@ STATS = {
     "evictions": "snapshot files removed to keep the disk budget",
     "corrupt_dropped": "damaged snapshot files found and removed",
     "unreadable_skipped": "compressed snapshot files skipped: this Python has no zstandard",
-    "restore_failed": "snapshots this context could not restore",
+    "restore_failed": "snapshots this context refused (then forgotten)",
     "writes_skipped": "snapshots not written (writer queue full or a snapshot over the disk budget)",
     "write_errors": "snapshots the disk refused (full or read-only): the server goes on without them",
 }
@@ -176,10 +176,19 @@ class PrefixCache:
         self._add("tokens_reused", tokens_reused)
 
     def restore_failed(self, snapshot: Snapshot) -> None:
-        """The engine could not restore a snapshot into its context: never offer it again here."""
+        """The engine's context refused a snapshot (with room for it: damaged, or another layout): never offer
+        it again here."""
         self._add("restore_failed", 1)
         with self._lock:
             self._forget(snapshot_name(self.fingerprint, snapshot.tokens), from_disk=False)
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` a known snapshot holds, from the index alone (no disk, no store: the
+        engine thread asks before it snapshots what an idle slot gives up)."""
+        keys = block_keys(self.fingerprint, tokens, self.block_tokens)
+        with self._lock:
+            names = next((self._by_block[key] for key in reversed(keys) if key in self._by_block), set())
+            return max((common_prefix(self._known[name], tokens) for name in names), default=0)
 
     def has(self, tokens: Sequence[int]) -> bool:
         """Whether a snapshot of `tokens`, or of a longer prompt starting with them, is known."""

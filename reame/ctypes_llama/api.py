@@ -84,6 +84,8 @@ _declare("llama_model_get_vocab", [llama_model_p], llama_vocab_p)
 _declare("llama_model_n_ctx_train", [llama_model_p], c_int32)
 # LLAMA_API int32_t llama_model_n_embd(const struct llama_model * model);
 _declare("llama_model_n_embd", [llama_model_p], c_int32)
+# LLAMA_API int32_t llama_model_n_swa(const struct llama_model * model);
+_declare("llama_model_n_swa", [llama_model_p], c_int32)
 # LLAMA_API int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
 _declare("llama_vocab_n_tokens", [llama_vocab_p], c_int32)
 # LLAMA_API int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);

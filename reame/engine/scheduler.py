@@ -42,6 +42,7 @@ from typing import Any
 from reame.cache import PrefixCache, common_prefix
 from reame.engine import admission
 from reame.engine.embeddings import EmbeddingJob, Embeddings
+from reame.engine.kv import KvStats
 from reame.engine.prompt import prompt_tokens
 from reame.engine.request import (
     FINISH_CANCELLED,
@@ -81,6 +82,7 @@ class EngineStatus:
     kv_recorded: int = 0  # KV cells the slots' records account for (idle caches and running requests)
     kv_in_memory: int = 0  # KV cells the model's memory holds: more than recorded would be a leak
     dead: str = ""  # why the engine stopped working, once it has
+    kv: KvStats = KvStats()  # the KV's cells, restores and what idle slots gave up
 
 
 class _Call:
@@ -378,7 +380,7 @@ class Engine:
         recorded = sum(map(len, idle)) + sum(running.n_fed for running in sequences.running)
         in_memory = sum(self.backend.seq_pos_max(slot.seq_id) + 1 for slot in sequences.slots)
         self.status = EngineStatus(len(self._waiting), len(sequences.running), idle, recorded, in_memory,
-                                   self.status.dead)
+                                   self.status.dead, sequences.kv_stats())
         if sequences.running:
             self.idle.clear()
         else:

@@ -1,9 +1,13 @@
 """The slots of the shared KV and the requests running in them: a request's start in a slot, the tokens it
-emits, its end, and the KV moves these call for (a follower taking over its leader's prefill, the relief of a
-full context).
+emits, its end, and the KV moves these call for (a follower taking over its leader's prefill, room made for
+whatever needs cells).
 
 Engine thread only. What a start does is decided by the pure rules of admission.py; what a step feeds and
 samples, by step.py; this module carries out the transitions of each request's `Phase` (slots.py).
+
+The KV that idle slots keep is a cache, never a reservation: `make_room` is the one place that decides which
+of it goes when a restore or a decode needs cells (kv.py counts them), least recently used first, a
+snapshot of it kept in the prefix cache when that is worth it, before any running sequence is touched.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
+from collections.abc import Sequence
 
 from reame.cache import PrefixCache, Snapshot
 from reame.engine import admission
+from reame.engine.kv import KvCells, KvStats
 from reame.engine.request import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -48,6 +55,7 @@ class Sequences:
     def __init__(self, backend: Backend, limits: admission.ContextLimits, cache: PrefixCache | None,
                  speculation: Speculation | None, max_answer_tokens: int) -> None:
         self.backend = backend
+        self.kv = KvCells(backend)
         self.limits = limits
         self.cache = cache
         self.speculation = speculation
@@ -58,6 +66,8 @@ class Sequences:
         self.changed = False  # what the engine publishes of the slots is out of date
         self._admissions = itertools.count()
         self._releases = itertools.count(1)
+        self._restores: Counter[tuple[str, str]] = Counter()  # (source, outcome) -> restores
+        self._restore_retries = self._cells_given_up = self._idle_snapshots = 0
 
     @property
     def full(self) -> bool:
@@ -83,20 +93,15 @@ class Sequences:
             most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
             running = Running(handle, slot, sampler, most, next(self._admissions))
             start = admission.plan_start(handle, shared, self.running, backend.supports_rollback)
-            if start.source != "slot":
-                backend.seq_rm(slot.seq_id)  # what the slot held is not this prompt's start
+            # What the slot held beyond this prompt's start goes (all of it unless the start is the slot's).
+            shared = self._give_up(slot, start.shared if start.source == "slot" else 0)
             if start.source == "donor":  # the cells are shared, not copied
                 assert start.donor is not None
-                backend.seq_cp(start.donor.seq_id, slot.seq_id, 0, start.shared)
+                self.kv.copy(start.donor.seq_id, slot.seq_id, start.shared)
                 shared = start.shared
             elif start.source == "saved":
                 assert start.saved is not None
                 shared = self._restore(start.saved, slot.seq_id, start.shared)
-            elif start.source == "slot" and not backend.seq_rm(slot.seq_id, shared, -1):
-                backend.seq_rm(slot.seq_id)
-                shared = 0
-            else:
-                shared = start.shared if start.source == "slot" else 0
             running.n_fed = running.cached = shared
             running.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
@@ -105,7 +110,7 @@ class Sequences:
                 running.draftings = self.speculation.start(handle.prompt_tokens, handle.grammar)
         except BaseException:
             backend.free_sampler(sampler)
-            backend.seq_rm(slot.seq_id)
+            self.kv.remove(slot.seq_id)
             slot.held = []
             raise
         slot.running, slot.held = running, []  # only now: a failed start must not lose its slot
@@ -128,16 +133,101 @@ class Sequences:
         return end if running.solo_last and end - running.cached >= cache.min_new_tokens else -1
 
     def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
-        """Restore saved KV into `seq_id` and keep its first `shared` tokens; return how many were kept."""
+        """Restore saved KV into the empty sequence `seq_id` and keep its first `shared` tokens; return how many
+        were kept (0: the prompt is prefilled, the reason logged and counted)."""
         cache = self.cache if isinstance(saved, Snapshot) else None
-        if not self.backend.seq_state_set(seq_id, saved.blob) or not self.backend.seq_rm(seq_id, shared, -1):
-            self.backend.seq_rm(seq_id)  # a blob this context cannot take: prefill everything
+        source = "snapshot" if cache is not None else "session"
+        cells = len(saved.tokens)  # all of them are placed, however many are kept
+        if not self.make_room(cells, seq_id):
+            outcome = "no_room"
+        elif self.kv.restore(seq_id, saved.blob, cells) and self.kv.remove(seq_id, shared):
+            outcome = "restored"
+        elif not self.kv.exact and self._give_up_idle(seq_id):  # a sliding window's cells: all the room there is
+            self._restore_retries += 1
+            restored = self.kv.restore(seq_id, saved.blob, cells) and self.kv.remove(seq_id, shared)
+            outcome = "restored" if restored else "rejected"
+        else:
+            outcome = "rejected"
+        self._restores[source, outcome] += 1
+        self.changed = True
+        if outcome == "restored":
             if cache is not None:
-                cache.restore_failed(saved)
-            return 0
-        if cache is not None:
-            cache.restored(shared)
-        return shared
+                cache.restored(shared)
+            return shared
+        self.kv.remove(seq_id)
+        log.info("a %s of %d tokens was not restored (%s): its prompt is prefilled", source, cells,
+                 "running sequences hold the cells it needs" if outcome == "no_room"
+                 else "this context refused the state")
+        if cache is not None and outcome == "rejected":
+            cache.restore_failed(saved)  # never offered here again; one that found no room stays
+        return 0
+
+    # --- the KV's cells ---------------------------------------------------------------------
+
+    def make_room(self, cells: int, seq_id: int) -> bool:
+        """Whether `cells` free cells are there for `seq_id` once idle slots sharing its stream have given up
+        what they keep, least recently used first and only as many as needed (slots whose cells a running
+        sequence shares free nothing, and keep theirs)."""
+        kv = self.kv
+        if kv.free(seq_id) >= cells:
+            return True
+        for slot in self._idle_caches(seq_id):
+            if kv.exclusive(slot.seq_id):
+                self._give_up(slot)
+                if kv.free(seq_id) >= cells:
+                    return True
+        return False
+
+    def room_for(self, seq_ids: Sequence[int]) -> bool:
+        """Whether a decode with a row for each of `seq_ids` finds its cells (make_room for each stream)."""
+        if self.kv.unified:
+            return self.make_room(len(seq_ids), seq_ids[0])
+        return all(self.make_room(rows, seq_id) for seq_id, rows in Counter(seq_ids).items())
+
+    def _idle_caches(self, seq_id: int) -> list[Slot]:
+        """Idle slots holding KV in `seq_id`'s stream, least recently used first."""
+        return sorted((slot for slot in self.slots if slot.running is None and slot.held
+                       and self.kv.same_stream(seq_id, slot.seq_id)), key=lambda slot: slot.used)
+
+    def _give_up_idle(self, seq_id: int) -> bool:
+        """Every idle cache in `seq_id`'s stream gives way; False if there was none."""
+        caches = self._idle_caches(seq_id)
+        for slot in caches:
+            self._give_up(slot)
+        return bool(caches)
+
+    def _give_up(self, slot: Slot, keep: int = 0) -> int:
+        """An idle slot's KV beyond its first `keep` tokens goes, kept first in the prefix cache if no snapshot
+        covers it yet and it took enough prefill to be worth one; return how many tokens the slot still holds
+        (0 when the memory cannot cut it there)."""
+        held = slot.held
+        if len(held) <= keep and self.kv.length(slot.seq_id) <= keep:
+            return keep
+        if len(held) > keep:
+            self._keep_snapshot(slot)
+        before = self.kv.free(slot.seq_id)
+        if not self.kv.remove(slot.seq_id, keep):
+            self.kv.remove(slot.seq_id)
+            keep = 0
+        self._cells_given_up += self.kv.free(slot.seq_id) - before
+        slot.held = held[:keep]
+        self.changed = True
+        return keep
+
+    def _keep_snapshot(self, slot: Slot) -> None:
+        cache = self.cache
+        if cache is None or slot.private or len(slot.held) - cache.covered(slot.held) < cache.min_new_tokens:
+            return
+        if cache.offer(Snapshot(tuple(slot.held), self.kv.state(slot.seq_id))):
+            self._idle_snapshots += 1
+
+    def kv_stats(self) -> KvStats:
+        """The KV's cells and what was done with them, for the engine's status."""
+        kv = self.kv
+        cells = kv.capacity if kv.unified else kv.capacity * len(self.slots)
+        return KvStats(cells, kv.used(), tuple((source, outcome, count) for (source, outcome), count
+                                               in sorted(self._restores.items())),
+                       self._restore_retries, self._cells_given_up, self._idle_snapshots)
 
     # --- while running -----------------------------------------------------------------
 
@@ -196,18 +286,16 @@ class Sequences:
         far and leads the others."""
         heir, *others = leader.followers
         leader.followers = []
-        self.backend.seq_cp(leader.seq_id, heir.seq_id, 0, leader.n_fed)
+        self.kv.copy(leader.seq_id, heir.seq_id, leader.n_fed)
         heir.lead(leader.n_fed, others)
 
     def relieve_full_kv(self) -> None:
         """The shared context is full (with no drafts to drop): the KV that idle slots keep for reuse goes
-        first; only then does a running sequence give way."""
-        cached = [slot for slot in self.slots if slot.running is None and slot.held]
+        first, least recently used first; only then does a running sequence give way."""
+        cached = [slot for slot in self._idle_caches(self.running[0].seq_id) if self.kv.exclusive(slot.seq_id)] \
+            if self.running else []
         if cached:
-            largest = max(cached, key=lambda slot: len(slot.held))
-            self.backend.seq_rm(largest.seq_id)
-            largest.held = []
-            self.changed = True
+            self._give_up(cached[0])
             return
         # The one furthest beyond its reservation ran the KV out (ties: the newest).
         offender = max(self.running, key=lambda r: (r.n_fed - admission.reservation(r.handle, self.limits),
@@ -218,7 +306,7 @@ class Sequences:
         """Drop what idle slots keep for reuse (the KV and the record of it)."""
         for slot in self.slots:
             if slot.running is None and slot.held:
-                self.backend.seq_rm(slot.seq_id)
+                self.kv.remove(slot.seq_id)
                 slot.held = []
         self.changed = True
 
@@ -232,7 +320,7 @@ class Sequences:
         kept = reason in (FINISH_STOP, FINISH_LENGTH)
         held = running.held() if kept else []
         if session is not None and kept:
-            session.state = running.session_state(self.backend.seq_state_get(running.seq_id))
+            session.state = running.session_state(self.kv.state(running.seq_id))
         tail = "" if reason == FINISH_CANCELLED else running.stream.flush()
         first = running.first_token_at or now
         usage = Usage(len(running.prompt), len(running.generated_tokens), first - running.admitted_at, now - first,
@@ -244,11 +332,12 @@ class Sequences:
             running.leader.followers.remove(running)
         slot = running.slot
         if not held:
-            self.backend.seq_rm(slot.seq_id)
+            self.kv.remove(slot.seq_id)
         self.backend.free_sampler(running.sampler)
         Speculation.release(running.draftings)
         # Kept for the next request that shares its prefix; `used` makes it the most recently used.
         slot.running, slot.held, slot.used = None, held, next(self._releases)
+        slot.private = session is not None  # a conversation's KV is its session's: never snapshotted
         self.changed = True
         matched = running.stream.matched if reason == FINISH_STOP else ""
         running.handle._put(FinishEvent(reason, usage, message, text=tail, code=code, stop_sequence=matched))

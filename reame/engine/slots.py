@@ -116,12 +116,13 @@ class Running:
 class Slot:
     """One sequence slot of the shared KV. Idle, it keeps the KV of its last request (`held`) for the
     next one that shares a prefix with it; busy, it serves `running`. `used` orders idle slots from
-    least to most recently released."""
+    least to most recently released; `private`: what it keeps is a session's, never snapshotted."""
 
-    __slots__ = ("held", "running", "seq_id", "used")
+    __slots__ = ("held", "private", "running", "seq_id", "used")
 
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self.held: list[int] = []
         self.running: Running | None = None
         self.used = 0
+        self.private = False

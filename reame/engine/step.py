@@ -203,8 +203,12 @@ class Stepper:
                                      for sequence in [running, *running.followers])
                 if running.followers:
                     outcome.clones.append(running)
+        kv = self.sequences.kv
+        if not self.sequences.room_for(batch.seq_ids):  # idle caches gave up all they could
+            outcome.kv_full = True
+            return outcome
         started = time.perf_counter()
-        status = backend.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
+        status = kv.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
         outcome.seconds, outcome.rows = time.perf_counter() - started, len(batch.tokens)
         if status == DECODE_NO_KV_SLOT:
             outcome.kv_full = True
@@ -212,14 +216,14 @@ class Stepper:
         for running, take in outcome.fed:
             if running.n_fed + take == running.snapshot_at:
                 outcome.snapshots.append(Snapshot(tuple(running.prompt[:running.snapshot_at]),
-                                                  backend.seq_state_get(running.seq_id)))
+                                                  kv.state(running.seq_id)))
         for leader in outcome.clones:
             for follower in leader.followers:
-                backend.seq_cp(leader.seq_id, follower.seq_id, 0, len(leader.prompt))
+                kv.copy(leader.seq_id, follower.seq_id, len(leader.prompt))
         for draw in outcome.draws:
             draw.chosen = verify(backend, draw, draw.running.handle.request.logprobs)
             if draw.decoding and draw.accepted < len(draw.drafts):  # the rejected drafts' KV goes
-                backend.seq_rm(draw.running.seq_id, draw.running.n_fed + 1 + draw.accepted, -1)
+                kv.remove(draw.running.seq_id, draw.running.n_fed + 1 + draw.accepted)
         return outcome
 
     def _drafts(self, decode: Decode, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:

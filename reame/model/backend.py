@@ -54,6 +54,7 @@ class Backend(Protocol):
     eos_token: int
     add_bos: bool  # the model wants BOS in front of a prompt
     has_chat_template: bool
+    sliding_window: int  # tokens a sliding-window layer attends to (0: the model has none)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
     def token_piece(self, token: int) -> bytes: ...

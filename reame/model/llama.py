@@ -107,6 +107,7 @@ class LlamaBackend:
         self._jinja_lock = threading.Lock()
 
         self.n_embd = api.llama_model_n_embd(self._model)
+        self.sliding_window = api.llama_model_n_swa(self._model)
         self.embedding_context_tokens = settings.embedding_ctx
         self._embedder: EmbeddingContext | None = None  # made by the first `embed`
         self._batch = api.llama_batch_init(self.n_batch, 0, 1)

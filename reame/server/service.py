@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reame.engine import Engine, FinishEvent
+from reame.engine.kv import KvStats
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.conversations import Conversations
 from reame.server.http import Handler, HttpError, ServerSettings
@@ -71,7 +72,8 @@ class Service:
                         Sample("reame_kv_tokens_recorded", "gauge", "KV cells the engine's slots account for",
                                labels, engine.status.kv_recorded),
                         Sample("reame_kv_tokens_in_memory", "gauge", "KV cells the model's memory holds (more than "
-                               "recorded: a leak)", labels, engine.status.kv_in_memory)]
+                               "recorded: a leak)", labels, engine.status.kv_in_memory),
+                        *kv_samples(engine.status.kv, labels)]
         return samples
 
     def model(self, handler: Handler, requested: object, keep_alive_s: float | None = None) -> ServedModel:
@@ -203,3 +205,20 @@ def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt")
         return HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"})
     param = prompt_param if error.param in (None, "prompt") else error.param
     return HttpError(400, str(error), param=param, code=error.code)
+
+
+def kv_samples(kv: KvStats, labels: dict[str, str]) -> list[Sample]:
+    """A model's KV cells, its restores by source and outcome, and what its idle slots gave up."""
+    return [Sample("reame_kv_cells", "gauge", "KV cells of the model's context", labels, kv.cells),
+            Sample("reame_kv_cells_used", "gauge", "KV cells held by running and idle sequences", labels,
+                   kv.cells_used),
+            *[Sample("reame_kv_restores_total", "counter", "saved KV states put back into the context (a prefix-cache "
+                     "snapshot, a session), by outcome: restored, no_room (running sequences held the cells), "
+                     "rejected (the context refused the state)", dict(labels, source=source, outcome=outcome), count)
+              for source, outcome, count in kv.restores],
+            Sample("reame_kv_restore_retries_total", "counter", "restores refused, tried again once every idle cache "
+                   "gave way (a sliding-window model's)", labels, kv.restore_retries),
+            Sample("reame_kv_idle_cells_given_up_total", "counter", "KV cells idle slots gave up for room or to a new "
+                   "request", labels, kv.cells_given_up),
+            Sample("reame_kv_idle_snapshots_total", "counter", "idle slots' KV kept in the prefix cache as they gave "
+                   "it up", labels, kv.idle_snapshots)]

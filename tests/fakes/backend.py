@@ -216,6 +216,7 @@ class FakeBackend:
     has_chat_template = True
     has_fim = True
     supports_rollback = True
+    sliding_window = 0
 
     def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule,
                  template_tools: bool = True, template: str | None = None) -> None:
@@ -243,6 +244,7 @@ class FakeBackend:
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
         self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
+        self.refused_restores = 0  # states refused for want of free cells (llama.cpp logs "failed to find")
         self.sampler_seq_ids: list[int | None] = []  # per chain: the sequence it was attached to, if any
 
     # --- vocabulary ---
@@ -412,6 +414,13 @@ class FakeBackend:
         except (ValueError, UnicodeDecodeError):
             return False
         if not isinstance(state, dict) or state.get("magic") != STATE_MAGIC:
+            return False
+        # As llama.cpp: the sequence's own cells are freed, then the state takes as many free cells as it
+        # holds tokens (anywhere); a state that finds too few leaves the sequence empty.
+        self._kv.pop(seq_id, None)
+        self._cells.pop(seq_id, None)
+        if self.cells_in_use() + len(state["tokens"]) > self.n_ctx:
+            self.refused_restores += 1
             return False
         self._kv[seq_id] = list(state["tokens"])
         self._cells[seq_id] = [next(self._new_cells) for _ in state["tokens"]]
