@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reame.cache.store import DiskStore, Snapshot
+from reame.cache.store import DiskStore, Snapshot, common_prefix
 from reame.files import pack_tokens
 
 if TYPE_CHECKING:  # a node without a store never loads the store's client
@@ -65,15 +65,6 @@ WRITER_NICENESS = 19
 # core for a moment stalls both of llama.cpp's threads, which meet at every graph node), at most this
 # long per snapshot before it writes anyway.
 MAX_WRITE_DEFERRAL_S = 30.0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def block_keys(fingerprint: bytes, tokens: Sequence[int], block_tokens: int) -> list[bytes]:

@@ -18,8 +18,11 @@ a block key finds the rest (unless the store evicted it since: then the fetch fa
 Publishing runs on a thread of its own from a queue bounded in bytes (what does not fit is skipped and
 counted), niced and waiting for the engine's idle moments between chunks, as the disk writer does.
 A fetch runs in the requesting thread with a deadline; anything missing, late, damaged, foreign or
-malformed is a miss (counted) and the prompt is prefilled as without a store. The store's own memory
-policy evicts (maxmemory + allkeys-lru): docs/deploy.md says how to set it.
+malformed is a miss (counted) and the prompt is prefilled as without a store. Lookups and fetches take
+one of up to READERS connections each, so a large fetch never holds up another request's lookup, and a
+snapshot is fetched once however many requests want it at the same time: the others wait for that fetch
+(within their own deadline). The store's own memory policy evicts (maxmemory + allkeys-lru):
+docs/deploy.md says how to set it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from reame.arca.client import StoreCommands
-from reame.cache.store import MAX_TOKENS, Snapshot, decode, encode
+from reame.cache.store import MAX_TOKENS, Snapshot, common_prefix, decode, encode
 from reame.errors import CacheError
 from reame.files import pack_tokens, unpack_tokens
 
@@ -48,6 +51,7 @@ META_MAGIC = b"REAMEKVM"
 META_VERSION = 1
 PUBLISHER_NICENESS = 19
 MAX_IDLE_WAIT_S = 30.0
+READERS = 4  # connections for lookups and fetches at once: more requests than that wait for one
 
 STATS = {
     "hits": "prompts whose KV was restored from the shared store instead of prefilled",
@@ -59,6 +63,7 @@ STATS = {
     "publish_failed": "snapshots the store did not take whole (down, full, or refused)",
     "damaged": "snapshots fetched whole that failed their checks (evicted or corrupt chunks)",
     "timeouts": "fetches abandoned at their deadline",
+    "fetches_shared": "prompts that waited for a fetch of the same snapshot already under way, not fetching it again",
 }
 
 
@@ -90,9 +95,18 @@ def decode_meta(value: bytes) -> tuple[int, int, tuple[int, ...]] | None:
     return chunks, size, tokens
 
 
+class _Fetch:
+    """One snapshot's fetch under way, and its result for the requests that wait for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.snapshot: Snapshot | None = None
+
+
 class RemoteKV:
-    """One model's snapshots in the shared store. `connect` makes a client: the publisher and the fetches
-    each get their own connection, so a large publish never holds up a lookup."""
+    """One model's snapshots in the shared store. `connect` makes a client: the publisher and each lookup or
+    fetch under way get a connection of their own, so neither a large publish nor a large fetch holds up
+    a lookup."""
 
     def __init__(self, connect: Callable[[], StoreCommands], fingerprint: bytes, timeout_s: float,
                  publish_budget_bytes: int, ttl_ms: int = 0, compress: bool = True) -> None:
@@ -101,7 +115,11 @@ class RemoteKV:
         self.publish_budget_bytes = publish_budget_bytes
         self.ttl_ms = ttl_ms
         self.compress = compress
-        self._reader = connect()
+        self._connect = connect
+        self._readers = threading.Condition()  # guards the idle readers, their count and the fetches under way
+        self._idle_readers: list[StoreCommands] = []
+        self._all_readers: list[StoreCommands] = []
+        self._fetches: dict[str, _Fetch] = {}
         self._writer = connect()
         self._stats: Counter[str] = Counter()
         self._lock = threading.Condition()
@@ -117,7 +135,13 @@ class RemoteKV:
     def deepest(self, blocks: Sequence[bytes]) -> tuple[int, str] | None:
         """(full blocks covered, snapshot name) of the deepest of `blocks` the store knows a snapshot of."""
         first = max(0, len(blocks) - MAX_LOOKUP_BLOCKS)
-        names = self._reader.mget([index_key(self.fingerprint, block) for block in blocks[first:]])
+        reader = self._borrow(time.monotonic() + self.timeout_s)
+        if reader is None:
+            return None
+        try:
+            names = reader.mget([index_key(self.fingerprint, block) for block in blocks[first:]])
+        finally:
+            self._give_back(reader)
         for depth in range(len(names) - 1, -1, -1):
             value = names[depth]
             if value is not None and len(value) == 40 and all(c in b"0123456789abcdef" for c in value):
@@ -126,19 +150,51 @@ class RemoteKV:
 
     def fetch(self, name: str, tokens: Sequence[int], better_than: int) -> Snapshot | None:
         """The snapshot `name`, if it shares more than `better_than` tokens with `tokens` and arrives whole
-        within the deadline; None (counted) otherwise."""
+        within the deadline; None (counted) otherwise. While another request fetches the same snapshot, this
+        one waits for that fetch instead of making its own."""
         deadline = time.monotonic() + self.timeout_s
-        value = self._reader.call(b"GET", meta_key(name), timeout_s=self.timeout_s)
+        with self._readers:
+            under_way = self._fetches.get(name)
+            if under_way is None:
+                fetch = self._fetches[name] = _Fetch()
+        if under_way is not None:
+            return self._share(under_way, tokens, better_than, deadline)
+        try:
+            fetch.snapshot = self._fetch_whole(name, tokens, better_than, deadline)
+        finally:
+            with self._readers:
+                del self._fetches[name]
+            fetch.done.set()
+        return fetch.snapshot
+
+    def _share(self, fetch: _Fetch, tokens: Sequence[int], better_than: int, deadline: float) -> Snapshot | None:
+        """The result of another request's fetch of the same snapshot (its misses were counted there)."""
+        if not fetch.done.wait(max(0.0, deadline - time.monotonic())):
+            return self._missed("timeouts")
+        snapshot = fetch.snapshot
+        if snapshot is None or common_prefix(snapshot.tokens, tokens) <= better_than:
+            return self._missed("misses")
+        self._count("hits")
+        self._count("fetches_shared")
+        return snapshot
+
+    def _fetch_whole(self, name: str, tokens: Sequence[int], better_than: int, deadline: float) -> Snapshot | None:
+        reader = self._borrow(deadline)
+        if reader is None:
+            return self._missed("timeouts")
+        try:
+            return self._read(reader, name, tokens, better_than, deadline)
+        finally:
+            self._give_back(reader)
+
+    def _read(self, reader: StoreCommands, name: str, tokens: Sequence[int], better_than: int,
+              deadline: float) -> Snapshot | None:
+        value = reader.call(b"GET", meta_key(name), timeout_s=max(0.001, deadline - time.monotonic()))
         meta = decode_meta(value) if isinstance(value, bytes) else None
         if meta is None:
             return self._missed("misses")
         chunks, size, kept_tokens = meta
-        shared = 0
-        for mine, theirs in zip(tokens, kept_tokens):
-            if mine != theirs:
-                break
-            shared += 1
-        if shared <= better_than:
+        if common_prefix(tokens, kept_tokens) <= better_than:
             return self._missed("misses")
         data = bytearray(size)
         filled = 0
@@ -146,7 +202,7 @@ class RemoteKV:
             left = deadline - time.monotonic()
             if left <= 0:
                 return self._missed("timeouts")
-            chunk = self._reader.call(b"GET", chunk_key(name, index), timeout_s=left)
+            chunk = reader.call(b"GET", chunk_key(name, index), timeout_s=left)
             expected = min(CHUNK_BYTES, size - filled)
             if not isinstance(chunk, bytes) or len(chunk) != expected:
                 return self._missed("damaged" if chunk is not None else "misses")
@@ -161,6 +217,26 @@ class RemoteKV:
         self._count("hits")
         self._count("bytes_read", size)
         return snapshot
+
+    def _borrow(self, deadline: float) -> StoreCommands | None:
+        """An idle reader connection, a new one while there are fewer than READERS, else the first given back
+        before `deadline` (None after it)."""
+        with self._readers:
+            while not self._idle_readers and len(self._all_readers) >= READERS:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._readers.wait(left)
+            if self._idle_readers:
+                return self._idle_readers.pop()
+            reader = self._connect()  # a client connects at its first call, not here
+            self._all_readers.append(reader)
+            return reader
+
+    def _give_back(self, reader: StoreCommands) -> None:
+        with self._readers:
+            self._idle_readers.append(reader)
+            self._readers.notify()
 
     def missed(self) -> None:
         self._count("misses")
@@ -209,7 +285,10 @@ class RemoteKV:
             self._queue.append(None)
             self._lock.notify()
         self._thread.join(timeout_s)
-        self._reader.close()
+        with self._readers:
+            readers, self._all_readers, self._idle_readers = self._all_readers, [], []
+        for reader in readers:
+            reader.close()
         self._writer.close()
 
     def _count(self, name: str, value: int = 1) -> None:
@@ -269,3 +348,4 @@ class RemoteKV:
     def _pause(self) -> None:
         if self.engine_idle is not None:
             self.engine_idle.wait(MAX_IDLE_WAIT_S)
+

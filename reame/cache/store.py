@@ -80,6 +80,15 @@ class Snapshot:
     blob: bytes | memoryview
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def encode_parts(fingerprint: bytes, snapshot: Snapshot, compress: bool) -> list[bytes | memoryview]:
     """A snapshot's file but its trailer, as consecutive parts (the state is not copied);
     compressed only when a sample shows that it pays. `write_atomically` adds the trailer."""

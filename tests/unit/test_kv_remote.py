@@ -4,6 +4,8 @@ or mid-publish, sends damaged or foreign data, or is too slow is a miss and a pr
 `reame warm` publishes; Redis Cluster's slots and redirections."""
 
 import random
+import sys
+import threading
 import time
 import tracemalloc
 
@@ -19,6 +21,7 @@ from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.arca_thread import arca_thread
 from tests.fakes.backend import FakeBackend
 from tests.live_server import free_port
+from tests.waiting import wait_until
 
 FINGERPRINT = b"m" * 32
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -165,6 +168,82 @@ def test_a_fetch_past_its_deadline_is_abandoned(store, tmp_path, monkeypatch):
     shared = slow.remote
     _, (result,) = run([DOCUMENT + "too slow?"], slow)
     assert result.finish.usage.cached_tokens == 0 and shared.stats()["timeouts"] == 1
+
+
+class Gated(StoreClient):
+    """A store client whose reads of the first snapshot's chunks it meets hold its connection until `gate`
+    opens (a large transfer in progress); every chunk read is counted in `reads`."""
+
+    def __init__(self, address, gate: threading.Event, reads: list) -> None:
+        super().__init__(address)
+        self.gate, self.reads = gate, reads
+
+    def _request(self, words, timeout_s):
+        key = words[-1]
+        if b"}:c:" in key:
+            self.reads.append(key)
+            if key.split(b"}:c:")[0] == self.reads[0].split(b"}:c:")[0] and not self.gate.wait(10):
+                raise AssertionError("the gate stayed shut")
+        return super()._request(words, timeout_s)
+
+
+def gated_node(store, tmp_path, gate, reads) -> PrefixCache:
+    shared = RemoteKV(lambda: Gated(StoreAddress("127.0.0.1", store, "", 0), gate, reads), FINGERPRINT, 10.0, 64 << 20)
+    return PrefixCache(FINGERPRINT, tmp_path, block_tokens=4, min_new_tokens=8, remote=shared)
+
+
+def looking_up(cache: PrefixCache, text: str, found: dict) -> threading.Thread:
+    """A lookup on a thread of its own (a request's), its snapshot put in `found[text]`."""
+    thread = threading.Thread(target=lambda: found.update({text: cache.lookup(FakeBackend().tokenize(text)[:-1])}))
+    thread.start()
+    return thread
+
+
+def test_requests_for_one_document_arriving_together_fetch_it_once(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 1000)
+    run([DOCUMENT + "who fetches?"], node_cache(tmp_path / "a", store))
+    gate, reads, found = threading.Event(), [], {}
+    cache = gated_node(store, tmp_path / "b", gate, reads)
+    first = looking_up(cache, DOCUMENT + "who fetches?", found)
+    wait_until(lambda: reads, what="the first fetch to read a chunk")
+    second = looking_up(cache, DOCUMENT + "who else?", found)
+    wait_until(lambda: inside(second, "_share") or len(reads) > 1, what="the second to wait or fetch")
+    gate.set()
+    first.join(10)
+    second.join(10)
+    snapshot = found[DOCUMENT + "who fetches?"]
+    assert snapshot is not None and found[DOCUMENT + "who else?"] is snapshot
+    assert len(reads) == len(set(reads)), "each chunk was read once"
+    assert cache.remote.stats()["hits"] == 2 and cache.remote.stats()["fetches_shared"] == 1
+    cache.close()
+
+
+def inside(thread: threading.Thread, function: str) -> bool:
+    """Whether `thread` is running `function` now (somewhere on its stack)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_large_fetch_under_way_holds_up_no_other_documents_lookup(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 1000)
+    other = "another manual: " + "a lookup never waits behind someone else's fetch. " * 8
+    run([DOCUMENT + "slow?", other + "fast?"], node_cache(tmp_path / "a", store))
+    gate, reads, found = threading.Event(), [], {}
+    cache = gated_node(store, tmp_path / "b", gate, reads)
+    slow = looking_up(cache, DOCUMENT + "slow?", found)
+    wait_until(lambda: reads, what="the slow fetch to read a chunk")
+    try:
+        assert cache.lookup(FakeBackend().tokenize(other + "fast?")[:-1]) is not None
+        assert slow.is_alive() and inside(slow, "_request"), "found while the slow fetch still holds its connection"
+    finally:
+        gate.set()
+    slow.join(10)
+    assert found[DOCUMENT + "slow?"] is not None and cache.remote.stats()["hits"] == 2
+    cache.close()
 
 
 def test_publishing_is_bounded_by_its_byte_budget(store, tmp_path):
