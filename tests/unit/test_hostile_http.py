@@ -72,9 +72,10 @@ def test_every_generation_counts_against_the_queue():
         try:
             status, answer = server.json("POST", "/v1/completions", {"prompt": "x", "n": 5, "max_tokens": 1})
             assert status == 400 and answer["error"]["code"] == "too_many_generations"
-            running = engine.submit(GenerationRequest("x", SamplingParams(max_tokens=2)))  # holds the one slot
-            wait_until(lambda: engine.load() == (0, 1), what="the first request to run")
-            waiting = engine.submit_together([GenerationRequest("y", SamplingParams(max_tokens=1))] * 3)
+            # Greedy: a sampled end of text (the gated rule leaves it a small chance) would end one with "stop".
+            running = engine.submit(GenerationRequest("x", SamplingParams(temperature=0, max_tokens=2)))
+            wait_until(lambda: engine.load() == (0, 1), what="the first request to run")  # it holds the one slot
+            waiting = engine.submit_together([GenerationRequest("y", SamplingParams(temperature=0, max_tokens=1))] * 3)
             status, answer = server.json("POST", "/v1/completions", {"prompt": "x", "n": 2, "max_tokens": 1})
             assert status == 429 and answer["error"]["code"] == "queue_full"  # 3 waiting + 2 > 4
             assert engine.load() == (3, 1)
