@@ -3,10 +3,12 @@
 Two Reame nodes, each with its own cache directories as two machines would have, share a real
 redis-server started here (then a 3-node Redis Cluster made with redis-cli --cluster create). For each
 repetition, a new document of --tokens tokens: node A reads it (cold) and is asked again (warm: its own
-slot or cache); node B is asked the same second question (its first time on the document: the KV is
-fetched from the store) and, as its cold baseline, the same question about another new document of the
-same size that no node has read (the order of those two alternates). Printed: times to first token, B's
-first time over its cold time and over A's warm time, and whether B's greedy answer equals A's.
+slot or cache); node B is first asked, as its cold baseline, the same second question about another new
+document of the same size that no node has read, then that question about A's document (its first time
+on it: the KV is fetched from the store) — so B's KV already holds other work, as a node's does (with
+--empty-node the order alternates, and half of B's first times find its KV holding nothing else).
+Printed: times to first token, B's first time over its cold time and over A's warm time, and whether
+B's greedy answer equals A's.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def run_store(kind: str, path: str, args: argparse.Namespace, work: Path) -> dic
             wait_published(first.port, rep + 1)
             warm, warm_text = first_token(first.port, read + question(23, 20))
             times["A warm"].append(warm)
-            cases = [("B first", read), ("B cold", unread)]
-            for case, document in cases if rep % 2 == 0 else cases[::-1]:
+            cases = [("B cold", unread), ("B first", read)]
+            for case, document in cases[::-1] if args.empty_node and rep % 2 else cases:
                 seconds, text = first_token(second.port, document + question(23, 20))
                 times[case].append(seconds)
                 if case == "B first":
@@ -103,6 +105,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=4096)
     parser.add_argument("--store", action="append", choices=("redis-server", "cluster"))
+    parser.add_argument("--empty-node", action="store_true",
+                        help="alternate the order of B's two questions (B's first time then finds its KV empty "
+                             "every other repetition), as this benchmark did before it measured a busy node")
     args = parser.parse_args()
     path = str(model_path(args.model))
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "

@@ -58,6 +58,8 @@ SUITE = (
           ("--tokens", "96")),
     Bench("fleet", "The fleet: a document read on one node, asked of another through Redis and a Redis Cluster",
           (), ("--model", "smollm2-135m", "--tokens", "600", "--reps", "1", "--ctx", "2048"), needs=("native",)),
+    Bench("documents", "The documents job: six documents asked about in turns, one node, a restart, a second node",
+          ("--ram-cap-mb", "2048"), ("--questions", "2", "--clients", "1")),
     Bench("models", "Two models behind one server, asked in turn: Reame's pool vs llama-server's router",
           (), ("--reps", "2", "--rounds", "1")),
     Bench("semantic_cache", "The semantic answer cache: paraphrases answered and false hits per threshold", (),

@@ -102,6 +102,7 @@ class PrefixCache:
         self._keys: dict[str, list[bytes]] = {}  # each known snapshot's block keys, to unindex it
         self._ram: OrderedDict[str, Snapshot] = OrderedDict()
         self._ram_bytes = 0
+        self._unwritten: set[str] = set()  # kept in RAM until the writer has written them
         self._disk = DiskStore(directory, fingerprint, disk_budget_bytes, compress, self._add) \
             if directory is not None else None
         self._writes: queue.Queue[tuple[str, Snapshot | None] | None] = queue.Queue(WRITE_QUEUE)
@@ -141,6 +142,22 @@ class PrefixCache:
         elif not as_good:
             self._add("misses", 1)
         return local
+
+    def in_ram(self, tokens: Sequence[int], better_than: int = 0) -> Snapshot | None:
+        """The RAM tier's snapshot sharing the longest prefix with `tokens`, if it shares more than `better_than`:
+        no disk, no store. The engine thread asks at admission, for a snapshot stored since the request's own
+        lookup (another request prefilled the same document meanwhile)."""
+        keys = block_keys(self.fingerprint, tokens, self.block_tokens)
+        with self._lock:
+            for key in reversed(keys):
+                resident = [name for name in self._by_block.get(key, ()) if name in self._ram]
+                if resident:
+                    shared, name = max((common_prefix(self._known[name], tokens), name) for name in resident)
+                    if shared <= better_than:
+                        return None
+                    self._ram.move_to_end(name)
+                    return self._ram[name]
+        return None
 
     def _ranked(self, tokens: Sequence[int], keys: list[bytes]) -> list[tuple[int, str]]:
         """The snapshots under the deepest of `keys` any has, longest common prefix with `tokens` first."""
@@ -224,6 +241,8 @@ class PrefixCache:
             for other in covered:
                 self._forget(other, from_disk=True)
             self._index({name: tokens}, keys)
+            if self._writer is not None:
+                self._unwritten.add(name)
             self._keep_in_ram(name, snapshot)
         self._add("snapshots_stored", 1)
         self._queue_write(name, snapshot)
@@ -326,13 +345,21 @@ class PrefixCache:
             return
         self._ram[name] = snapshot
         self._ram_bytes += len(snapshot.blob)
-        while self._ram_bytes > self.ram_budget_bytes:
-            old_name, old = self._ram.popitem(last=False)
-            self._ram_bytes -= len(old.blob)
+        self._trim_ram()
+
+    def _trim_ram(self) -> None:
+        """The least recently used snapshots leave RAM until it is within its budget, but never one still
+        waiting for its disk write: that one would be lost while the writer waits for the engine's idle
+        moments (a server answering one request after another has few). The RAM tier may then exceed its
+        budget by what the write queue holds."""
+        for old_name in [name for name in self._ram if name not in self._unwritten]:
+            if self._ram_bytes <= self.ram_budget_bytes:
+                return
+            self._ram_bytes -= len(self._ram.pop(old_name).blob)
             if self._disk is None:
                 self._forget(old_name, from_disk=False)
-            # With a disk tier it stays known: it is on disk, or will be; a write that never
-            # happens shows as a failed fetch, which forgets it then.
+            # With a disk tier it stays known: it is on disk; a file gone since shows as a failed
+            # fetch, which forgets it then.
 
     def _queue_write(self, name: str, snapshot: Snapshot | None) -> None:
         if self._writer is None:
@@ -341,6 +368,15 @@ class PrefixCache:
             self._writes.put_nowait((name, snapshot))
         except queue.Full:
             self._add("writes_skipped", 1)
+            if snapshot is not None:  # (a removal is queued with the lock held)
+                self._written(name)
+
+    def _written(self, name: str) -> None:
+        """`name`'s disk write is over (done, failed or skipped): RAM may let it go."""
+        with self._lock:
+            if name in self._unwritten:
+                self._unwritten.discard(name)
+                self._trim_ram()
 
     def _write_loop(self) -> None:
         assert self._disk is not None
@@ -374,6 +410,9 @@ class PrefixCache:
                     self._disk.write(name, snapshot, pause)  # counts what it could not write
             except Exception:  # a failing disk loses a snapshot, never the writer
                 log.exception("KV snapshot write failed")
+            finally:
+                if snapshot is not None:
+                    self._written(name)
 
 
 def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:

@@ -65,7 +65,9 @@ def pick_slot(slots: Sequence[Slot], prompt: list[int]) -> tuple[Slot, int]:
     """The idle slot sharing the longest prefix with `prompt`, and how many of its cached tokens can be kept
     (never the whole prompt: the last prompt token is always decoded, for its logits). When no slot shares
     a useful prefix (a BOS is not one), an empty slot or else the least recently used one is taken, so other
-    slots keep their caches."""
+    slots keep their caches, and none of what it holds is kept: a few shared tokens (a chat template's
+    system prompt) would save nothing measurable, and would move where the rest of the prompt is cut into
+    batches, which changes llama.cpp's arithmetic (docs/engine.md: a prompt computed as the first time)."""
     idle = sorted((slot for slot in slots if slot.running is None), key=lambda slot: slot.used)
     best, best_shared = idle[0], 0
     for slot in idle:
@@ -73,8 +75,7 @@ def pick_slot(slots: Sequence[Slot], prompt: list[int]) -> tuple[Slot, int]:
         if shared > best_shared:
             best, best_shared = slot, shared
     if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
-        best = next((slot for slot in idle if not slot.held), idle[0])
-        best_shared = common_prefix(best.held, prompt)
+        return next((slot for slot in idle if not slot.held), idle[0]), 0
     return best, min(best_shared, len(prompt) - 1)
 
 

@@ -14,9 +14,10 @@ needs contiguous cells, so fragmentation costs nothing and a count decides:
   otherwise each sequence has a stream of `n_ctx_seq` cells of its own, which no other sequence can take.
 
 A model with a sliding window (Gemma 3) keeps those layers in a second, smaller cache whose cells past the
-window are reused in place: there the ledger counts the full cache and is not `exact`, and a restore
-llama.cpp still refuses is retried once after every idle cache gave way (`Sequences._restore`). Elsewhere
-it is exact, so a state refused once its cells are free is a state this context cannot take.
+window are reused in place: there the ledger counts the full cache and is not `exact`, so a restore
+llama.cpp refuses beside other sequences may have lacked cells the ledger does not count
+(`Sequences._restore` then keeps the snapshot). Elsewhere it is exact: a state refused once its cells are
+free is a state this context cannot take.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class KvStats:
     cells_used: int = 0
     restores: tuple[tuple[str, str, int], ...] = ()  # (source, outcome, count): source "snapshot" or "session",
     # outcome "restored", "no_room" (running sequences hold the cells) or "rejected" (the context refused it)
-    restore_retries: int = 0  # restores llama.cpp refused, tried again after every idle cache gave way
     cells_given_up: int = 0  # cells idle slots freed (for room, or for a request taking their slot)
     idle_snapshots: int = 0  # idle slots' KV kept in the prefix cache as they gave it up
 

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from reame.cache import PrefixCache, Snapshot
+from reame.cache import PrefixCache, Snapshot, common_prefix
 from reame.engine import admission
 from reame.engine.kv import KvCells, KvStats
 from reame.engine.request import (
@@ -67,7 +67,7 @@ class Sequences:
         self._admissions = itertools.count()
         self._releases = itertools.count(1)
         self._restores: Counter[tuple[str, str]] = Counter()  # (source, outcome) -> restores
-        self._restore_retries = self._cells_given_up = self._idle_snapshots = 0
+        self._cells_given_up = self._idle_snapshots = 0
 
     @property
     def full(self) -> bool:
@@ -86,6 +86,7 @@ class Sequences:
         params = handle.request.params
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else (), history=handle.prompt_tokens)
         slot, shared = admission.pick_slot(self.slots, handle.prompt_tokens)
+        self._newer_snapshot(handle, shared)
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
@@ -95,6 +96,8 @@ class Sequences:
             start = admission.plan_start(handle, shared, self.running, backend.supports_rollback)
             # What the slot held beyond this prompt's start goes (all of it unless the start is the slot's).
             shared = self._give_up(slot, start.shared if start.source == "slot" else 0)
+            if self.cache is not None:
+                self._compact(slot)
             if start.source == "donor":  # the cells are shared, not copied
                 assert start.donor is not None
                 self.kv.copy(start.donor.seq_id, slot.seq_id, start.shared)
@@ -120,6 +123,18 @@ class Sequences:
         self.changed = True
         return running
 
+    def _newer_snapshot(self, handle: Handle, in_slot: int) -> None:
+        """A snapshot of more of the prompt than the request found when it was submitted, if one reached the RAM
+        tier since (the same document prefilled for a request ahead of it in the queue) and it covers enough to
+        be worth a restore (as much as the cache thinks worth a snapshot)."""
+        cache, prompt = self.cache, handle.prompt_tokens
+        if cache is None or handle.request.session is not None:
+            return
+        found = common_prefix(handle.snapshot.tokens, prompt) if handle.snapshot is not None else 0
+        newer = cache.in_ram(prompt[:-1], better_than=max(found, in_slot, cache.min_new_tokens - 1))
+        if newer is not None:
+            handle.snapshot = newer
+
     def _snapshot_point(self, running: Running) -> int:
         """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
         token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
@@ -142,12 +157,10 @@ class Sequences:
             outcome = "no_room"
         elif self.kv.restore(seq_id, saved.blob, cells) and self.kv.remove(seq_id, shared):
             outcome = "restored"
-        elif not self.kv.exact and self._give_up_idle(seq_id):  # a sliding window's cells: all the room there is
-            self._restore_retries += 1
-            restored = self.kv.restore(seq_id, saved.blob, cells) and self.kv.remove(seq_id, shared)
-            outcome = "restored" if restored else "rejected"
+        elif self.kv.exact or not self.kv.used():
+            outcome = "rejected"  # refused with its cells free: not a state this context can take
         else:
-            outcome = "rejected"
+            outcome = "no_room"  # a sliding window's cells, which the ledger does not count, may be what was missing
         self._restores[source, outcome] += 1
         self.changed = True
         if outcome == "restored":
@@ -189,12 +202,16 @@ class Sequences:
         return sorted((slot for slot in self.slots if slot.running is None and slot.held
                        and self.kv.same_stream(seq_id, slot.seq_id)), key=lambda slot: slot.used)
 
-    def _give_up_idle(self, seq_id: int) -> bool:
-        """Every idle cache in `seq_id`'s stream gives way; False if there was none."""
-        caches = self._idle_caches(seq_id)
-        for slot in caches:
-            self._give_up(slot)
-        return bool(caches)
+    def _compact(self, chosen: Slot) -> None:
+        """A request starts in `chosen`: every other idle slot gives up what it keeps (kept first as a snapshot if
+        worth it), unless a running sequence shares those cells. Behind a prefix cache, cells kept idle save only a
+        restore of a few milliseconds, while every decode attends over all the cells up to the highest one in
+        use: a 2,000-token document kept idle beside another made each prefill step ~25% slower (SmolLM2-135M,
+        docs/engine.md). It also starts every request on the same cells as the first time, so its numerics are
+        the same (llama.cpp's attention depends on where a sequence's cells lie)."""
+        for slot in self._idle_caches(chosen.seq_id):
+            if slot is not chosen and self.kv.exclusive(slot.seq_id):
+                self._give_up(slot)
 
     def _give_up(self, slot: Slot, keep: int = 0) -> int:
         """An idle slot's KV beyond its first `keep` tokens goes, kept first in the prefix cache if no snapshot
@@ -227,7 +244,7 @@ class Sequences:
         cells = kv.capacity if kv.unified else kv.capacity * len(self.slots)
         return KvStats(cells, kv.used(), tuple((source, outcome, count) for (source, outcome), count
                                                in sorted(self._restores.items())),
-                       self._restore_retries, self._cells_given_up, self._idle_snapshots)
+                       self._cells_given_up, self._idle_snapshots)
 
     # --- while running -----------------------------------------------------------------
 

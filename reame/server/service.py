@@ -216,8 +216,6 @@ def kv_samples(kv: KvStats, labels: dict[str, str]) -> list[Sample]:
                      "snapshot, a session), by outcome: restored, no_room (running sequences held the cells), "
                      "rejected (the context refused the state)", dict(labels, source=source, outcome=outcome), count)
               for source, outcome, count in kv.restores],
-            Sample("reame_kv_restore_retries_total", "counter", "restores refused, tried again once every idle cache "
-                   "gave way (a sliding-window model's)", labels, kv.restore_retries),
             Sample("reame_kv_idle_cells_given_up_total", "counter", "KV cells idle slots gave up for room or to a new "
                    "request", labels, kv.cells_given_up),
             Sample("reame_kv_idle_snapshots_total", "counter", "idle slots' KV kept in the prefix cache as they gave "

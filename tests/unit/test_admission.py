@@ -29,6 +29,13 @@ def test_a_prompt_takes_the_idle_slot_sharing_its_longest_prefix_else_an_empty_o
     assert pick_slot(slots, [1, 2, 3, 4, 5]) == (slots[1], 4)  # never the whole prompt: its last token is decoded
 
 
+def test_a_slot_sharing_too_little_to_be_worth_it_is_taken_whole_keeping_nothing():
+    only = Slot(0)
+    only.held = [1, 2, 3] + list(range(100, 200))  # a chat template's system prompt, then another document
+    assert pick_slot([only], [1, 2, 3] + list(range(300, 400))) == (only, 0)  # 3 of 103: computed afresh
+    assert pick_slot([only], [1, 2, 3] + list(range(100, 130)) + [7]) == (only, 33)
+
+
 def test_sequences_with_one_prompt_count_its_cells_once():
     twins = [running(range(100), 0), running(range(100), 1)]
     alone = reserved_with([], handle(range(100)), LIMITS)

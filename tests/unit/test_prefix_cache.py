@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -10,6 +11,7 @@ from reame.cache import store
 from reame.cache.prefix import block_keys
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import FakeBackend
+from tests.waiting import wait_until
 
 FINGERPRINT = b"m" * 32
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -69,6 +71,23 @@ def test_the_ram_tier_keeps_its_budget_and_without_a_disk_forgets_the_oldest():
     assert prefix_cache.stats()["ram_bytes"] <= 2 * len(blob(tokens[0]))
     assert prefix_cache.lookup(list(tokens[0]) + [1]) is None
     assert prefix_cache.lookup(list(tokens[2]) + [1]) is not None
+
+
+def test_a_snapshot_waiting_for_its_disk_write_stays_in_ram_past_the_budget(tmp_path):
+    tokens = [tuple(range(start, start + 12)) for start in (0, 100, 200)]
+    budget = 2 * len(blob(tokens[0]))
+    prefix_cache = cache(tmp_path, ram_budget_bytes=budget)
+    engine_idle = threading.Event()  # cleared: the engine decodes, so the writer waits
+    prefix_cache.follow(engine_idle)
+    for each in tokens:
+        prefix_cache.offer(Snapshot(each, blob(each)))
+    assert prefix_cache.stats()["ram_bytes"] == 3 * len(blob(tokens[0])) > budget
+    assert all(prefix_cache.lookup(list(each) + [1]) is not None for each in tokens), "none lost before its write"
+    engine_idle.set()
+    wait_until(lambda: len(list(tmp_path.glob("*.kvs"))) == 3 and prefix_cache.stats()["ram_bytes"] <= budget,
+               what="the writes, then the RAM tier back within its budget")
+    assert all(prefix_cache.lookup(list(each) + [1]) is not None for each in tokens)
+    prefix_cache.close()
 
 
 def test_snapshots_survive_in_the_directory_for_a_new_cache(tmp_path):
