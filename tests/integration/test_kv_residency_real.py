@@ -19,6 +19,7 @@ from tests.waiting import wait_until
 DOCUMENTS = Path(__file__).resolve().parents[2] / "bench" / "data" / "documents"
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 SHORT = SamplingParams(temperature=0, max_tokens=8)
+TWELVE = SamplingParams(temperature=0, max_tokens=12)
 
 
 def text(*names: str, characters: int) -> str:
@@ -117,12 +118,12 @@ def test_a_cold_answer_does_not_depend_on_what_the_kv_held_before(native_librari
     lies on the cells it had the first time, and llama.cpp's attention gives the same greedy answer. These two
     documents, asked in this order without that rule, gave another one (different cells, other rounding)."""
     first, second = text("try", characters=9000), text("comparisons", characters=9000)  # whole files
-    question = "Which Python keyword or statement does it discuss most?"
+    question = "Question: Which Python keyword or statement does it discuss most?"
     answers = {}
     for slots, cache in ((1, None), (4, PrefixCache)):
         with LlamaBackend(settings_for(smollm2_path, n_ctx=4096, n_seq_max=slots)) as backend:
             prefix_cache = cache(backend.kv_fingerprint(), tmp_path / str(slots)) if cache else None
             with Engine(backend, cache=prefix_cache) as engine:
-                ask(engine, first, "What is this section about? Answer in one sentence.", SHORT)
-                answers[slots] = ask(engine, second, question, SHORT).text
+                ask(engine, first, "Question: What is this section about? Answer in one sentence.", TWELVE)
+                answers[slots] = ask(engine, second, question, TWELVE).text
     assert answers[4] == answers[1]
