@@ -5,9 +5,11 @@ whatever needs cells).
 Engine thread only. What a start does is decided by the pure rules of admission.py; what a step feeds and
 samples, by step.py; this module carries out the transitions of each request's `Phase` (slots.py).
 
-The KV that idle slots keep is a cache, never a reservation: `make_room` is the one place that decides which
-of it goes when a restore or a decode needs cells (kv.py counts them), least recently used first, a
-snapshot of it kept in the prefix cache when that is worth it, before any running sequence is touched.
+The KV that idle slots keep is a cache, never a reservation, and this class alone decides what becomes of it
+(kv.py counts the cells): behind a prefix cache a request's start leaves no other idle cache in the KV
+(`_compact`), and whenever a restore or a decode needs cells, `make_room` frees them from idle slots, least
+recently used first; either way a snapshot of what goes is kept in the prefix cache when that is worth it,
+and no running sequence is touched.
 """
 
 from __future__ import annotations

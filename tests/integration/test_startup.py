@@ -14,8 +14,8 @@ reame reame.answers reame.assembly reame.autoconfig reame.cache reame.cache.answ
 reame.cache.prefix reame.cache.store
 reame.catalog reame.chat reame.cli reame.conclave reame.config reame.ctypes_llama reame.ctypes_llama._lib
 reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission reame.engine.embeddings
-reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences reame.engine.slots
-reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
+reame.engine.kv reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences
+reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
 reame.model.backend reame.model.chat_template reame.model.embedding reame.model.fingerprint reame.model.library
 reame.model.llama reame.model.sampler_chain reame.model.sampling reame.native reame.quantize reame.settings
 reame.speculative reame.speculative.archive reame.speculative.controller reame.speculative.draft_model
