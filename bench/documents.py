@@ -333,7 +333,7 @@ def main() -> None:
                         help="each document this long (0: as the file is; longer: the next file continues it)")
     parser.add_argument("--rounds", type=int, default=1, help="ask the job's questions this many times in all")
     parser.add_argument("--ram-cap-mb", type=int, default=0, help="also run under a memory cgroup of this size")
-    parser.add_argument("--skip-cache-off", action="store_true", 
+    parser.add_argument("--skip-cache-off", action="store_true",
                         help="no run with Reame's prefix cache off and 4 slots")
     args = parser.parse_args()
     path = str(model_path(args.model))
