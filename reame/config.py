@@ -60,6 +60,8 @@ KEYS: tuple[Key, ...] = (
     Key("server.api_key", "str", "", "bearer key(s) clients must send, comma-separated; empty = no auth"),
     Key("server.api_key_file", "str", "", "file with one bearer key per line (added to server.api_key)"),
     Key("server.cors_origin", "str", "", "CORS: '' = off, '*' or an origin to allow browsers from"),
+    Key("server.allowed_hosts", "str", "", "host names requests may address (the Host header), comma-separated; "
+        "'*' = any; empty = loopback names on a server bound to loopback, any name otherwise"),
     Key("server.max_connections", "int", 256, "open connections at once (each costs a thread); past it the longest "
         "idle keep-alive connection is closed to make room, or the newcomer gets 503", minimum=1),
     Key("server.max_requests", "int", 64, "requests answered at once; more get 503 with Retry-After "

@@ -37,6 +37,7 @@ def server_settings(settings: Settings) -> ServerSettings:
     server = settings.server
     return ServerSettings(
         host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
+        allowed_hosts=server.allowed_hosts,
         max_connections=server.max_connections, max_requests=server.max_requests, max_body_bytes=server.max_body_bytes,
         idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
         request_timeout_s=server.request_timeout_s, grace_s=server.shutdown_grace_s,

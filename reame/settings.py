@@ -58,6 +58,7 @@ class ServerOptions:
     port: int
     api_keys: tuple[str, ...]
     cors_origin: str
+    allowed_hosts: tuple[str, ...]
     max_connections: int
     max_requests: int
     max_body_bytes: int
@@ -182,7 +183,8 @@ def from_values(values: dict[str, Value]) -> Settings:
         server=ServerOptions(
             host=get("server.host"), port=get("server.port"),
             api_keys=api_keys(get("server.api_key"), get("server.api_key_file")),
-            cors_origin=get("server.cors_origin"), max_connections=get("server.max_connections"),
+            cors_origin=get("server.cors_origin"), allowed_hosts=comma_list(get("server.allowed_hosts")),
+            max_connections=get("server.max_connections"),
             max_requests=get("server.max_requests"), max_body_bytes=int(get("server.max_request_size_mb") * 2**20),
             idle_timeout_s=get("server.idle_timeout_seconds"), header_timeout_s=get("server.header_timeout_seconds"),
             request_timeout_s=get("server.request_timeout_seconds"),
@@ -235,9 +237,13 @@ def from_values(values: dict[str, Value]) -> Settings:
         origins=tuple((name, value.value, value.origin) for name, value in values.items()))
 
 
+def comma_list(listed: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in listed.split(",") if item.strip())
+
+
 def api_keys(listed: str, key_file: str) -> tuple[str, ...]:
     """The bearer keys: comma-separated in server.api_key, plus one per line in server.api_key_file."""
-    keys = [key.strip() for key in listed.split(",") if key.strip()]
+    keys = list(comma_list(listed))
     if key_file:
         try:
             lines = Path(key_file).read_text(encoding="utf-8").splitlines()

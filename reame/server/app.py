@@ -10,6 +10,7 @@ from importlib import resources
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import anthropic, ollama, openai, responses, sessions
+from reame.server.forgery import allowed_hosts, forged
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.models import ModelPool
@@ -27,6 +28,7 @@ class App(Service):
 
     def __init__(self, settings: ServerSettings, models: ModelPool, metrics: Metrics | None = None) -> None:
         super().__init__(settings, models, metrics)
+        self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
 
@@ -89,6 +91,10 @@ class App(Service):
     def dispatch(self, handler: Handler) -> None:
         route, path = ROUTER.find(handler.path.split("?", 1)[0])
         try:
+            refusal = forged(handler.command, handler.headers, bool(handler.body), self.hosts,
+                             self.settings.cors_origin)
+            if refusal is not None:
+                raise refusal
             if (route is None or not route.public) and not handler.authorized():
                 raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or "
                                 "'x-api-key: KEY')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

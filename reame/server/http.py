@@ -58,6 +58,7 @@ class ServerSettings:
     port: int = 8080
     api_keys: tuple[str, ...] = ()
     cors_origin: str = ""  # "" = CORS off; "*" or an origin to allow
+    allowed_hosts: tuple[str, ...] = ()  # the Host names requests may address (forgery.allowed_hosts)
     max_connections: int = 256  # open sockets
     max_requests: int = 64  # requests being answered at once
     max_body_bytes: int = 10 << 20

@@ -200,11 +200,12 @@ class ModelPool:
 
     def release(self, model: ServedModel, keep_alive_s: float | None = None) -> None:
         """The caller is done with the model; it stays loaded for `keep_alive_s` (None: the server's; 0:
-        unloaded now unless other requests hold it; FOREVER: until another model needs its room)."""
+        unloaded now unless other requests hold it; FOREVER: until another model needs its room). The first
+        model stays whatever a request says: any client could otherwise unload what everyone is served by."""
         with self._lock:
             model.users -= 1
             model.last_used = now = time.monotonic()
-            if keep_alive_s is None and model.pinned:
+            if model.pinned:
                 model.expires = None
             else:
                 alive = self.keep_alive_s if keep_alive_s is None else keep_alive_s
@@ -234,10 +235,10 @@ class ModelPool:
     # --- keep-alive ---------------------------------------------------------------------------------
 
     def unload_idle(self, model: ServedModel) -> bool:
-        """Unload a model now unless a request holds it (Ollama's empty prompt with keep_alive 0); whether
-        it was."""
+        """Unload a model now unless a request holds it or it is the first (Ollama's empty prompt with
+        keep_alive 0); whether it was."""
         with self._lock:
-            if model.state != "loaded" or model.users:
+            if model.state != "loaded" or model.users or model.pinned:
                 return False
             model.state = "unloading"
         self._unload(model, "a request asked for it (keep_alive 0)")

@@ -49,7 +49,8 @@ def call(server, method: str, path: str, body=None, key: str = "alice-key", raw:
     connection = http.client.HTTPConnection(host, int(port), timeout=120)
     payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     started = time.monotonic()
-    connection.request(method, path, body=payload, headers={"Authorization": f"Bearer {key}"})
+    connection.request(method, path, body=payload, headers={"Authorization": f"Bearer {key}",
+                                                            "Content-Type": "application/json"})
     response = connection.getresponse()
     data = response.read()
     connection.close()
@@ -134,8 +135,8 @@ def test_an_ambiguous_grammar_ends_with_a_clear_400_while_others_are_answered(se
 def test_lenient_framing_is_a_400_and_a_closed_connection(server, header):
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alice-key\r\n" + header +
-                     b"\r\n\r\n" + b'{"prompt":"hi"}x')
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer alice-key\r\n" +
+                     header + b"\r\n\r\n" + b'{"prompt":"hi"}x')
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
@@ -188,7 +189,7 @@ def test_arca_closes_hostile_clients_within_a_second_and_keeps_its_data(tmp_path
         mebibyte = b"x" * (1 << 20)
         reply, seconds = timed_until_closed(port, b"*2\r\n$3\r\nGET\r\n$157286400\r\n", *[mebibyte] * 150)
         assert reply.startswith(b"-ERR Protocol error") and seconds < 1.0
-        reply, seconds = timed_until_closed(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"
+        reply, seconds = timed_until_closed(port, b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 9\r\n\r\n"
                                                   b"SET pwned 1\r\n")
         assert reply == b"" and seconds < 1.0
         with pytest.raises(redis.exceptions.OutOfMemoryError):

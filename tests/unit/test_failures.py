@@ -115,7 +115,7 @@ def test_a_client_trickling_its_request_is_cut_off_with_408(engine):
     server = Live(engine, idle_timeout_s=5, request_timeout_s=0.5)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            request = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\n{}"
             sent = 0
             reply = b""
             while sent < len(request):
@@ -142,7 +142,7 @@ def test_too_many_connections_get_a_503_answer_never_a_reset(engine):
         wait_until(lambda: server.server.connections() == {"busy": 1, "idle": 0}, what="the holder to be busy")
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n\r\n" +
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 20000\r\n\r\n" +
                              b"x" * 20000)
                 response = http.client.HTTPResponse(sock)
                 response.begin()
@@ -158,7 +158,7 @@ def test_a_refused_body_is_drained_so_the_client_reads_its_413(engine):
     server = Live(engine, max_body_bytes=1000)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 300000\r\n\r\n")
             sock.sendall(b"y" * 300000)  # the server answers without reading it, then drains it
             response = http.client.HTTPResponse(sock)
             response.begin()

@@ -134,7 +134,7 @@ def test_a_client_that_leaves_stops_waiting():
         models.acquire(models.models[1], gone=lambda: True)
 
 
-def test_keep_alive_unloads_idle_models_but_not_the_first_by_default():
+def test_keep_alive_unloads_idle_models_but_never_the_first():
     models = pool("a", "b", "c", keep_alive_s=0.0)
     a, b, c = models.models
     for model in (a, b):
@@ -145,8 +145,9 @@ def test_keep_alive_unloads_idle_models_but_not_the_first_by_default():
     assert models.unload_expired() == 1 and b.state == "unloaded"
     assert a.state == "loaded" and c.state == "loaded"  # the first one, and one kept for ever
     models.acquire(a)
-    models.release(a, 0)  # a request's own keep_alive applies to the first model too
-    assert models.unload_expired() == 1 and a.state == "unloaded"
+    models.release(a, 0)  # a request's own keep_alive does not apply to the first model: it is everyone's
+    assert models.unload_expired() == 0 and a.state == "loaded" and a.expires is None
+    assert not models.unload_idle(a) and a.state == "loaded"  # nor does Ollama's empty keep_alive 0 request
 
 
 def test_the_reaper_unloads_after_keep_alive_without_being_asked():

@@ -42,6 +42,8 @@ class Live:
     def request(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        if body is not None:  # as every client sends JSON
+            headers = {"Content-Type": "application/json", **(headers or {})}
         connection.request(method, path, body=payload, headers=headers or {})
         response = connection.getresponse()
         data = response.read()
@@ -277,7 +279,7 @@ def test_malformed_bodies_are_400_never_500(live, raw):
 def read_sse(live, path, body, done=True):
     """The JSON events of a stream; `done`: it must end with [DONE] (not left in the list)."""
     connection = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
-    connection.request("POST", path, body=json.dumps(body))
+    connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
     assert response.getheader("X-Accel-Buffering") == "no"  # a proxy in front must not hold events back
@@ -379,7 +381,8 @@ def raw_exchange(port: int, data: bytes) -> bytes:
 def test_oversized_body_is_413_without_reading_it(engine):
     server = Live(engine, max_body_bytes=1000)
     try:
-        reply = raw_exchange(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+        reply = raw_exchange(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                          b"Content-Length: 5000\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 413")
     finally:
         server.close()
@@ -405,11 +408,11 @@ class RawConnection:
 
 
 def post_bytes(path: str, body: bytes, method: str = "POST", headers: str = "") -> bytes:
-    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+    return (f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{headers}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-MODELS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+MODELS = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
 BODY = json.dumps({"model": "m", "input": "hello", "prompt": "hi", "max_tokens": 2}).encode()
 
 
@@ -427,7 +430,8 @@ def test_an_answer_that_did_not_need_the_body_leaves_the_connection_usable(engin
     connection = RawConnection(server.port)
     try:
         auth = b"Authorization: Bearer right\r\n"
-        with_key = first if b"Authorization" in first else first.replace(b"Host: x\r\n", b"Host: x\r\n" + auth, 1)
+        host = b"Host: localhost\r\n"
+        with_key = first if b"Authorization" in first else first.replace(host, host + auth, 1)
         assert connection.exchange(with_key)[0] == status
         code, body, _ = connection.exchange(MODELS.replace(b"\r\n\r\n", b"\r\n" + auth + b"\r\n"))
         assert code == 200 and json.loads(body)["object"] == "list"
@@ -440,7 +444,8 @@ def test_an_answer_that_did_not_need_the_body_leaves_the_connection_usable(engin
 
 
 def chunked(body: bytes, sizes: tuple[int, ...] = (5, 1, 1000), extra: bytes = b"") -> bytes:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
     parts, rest = [], body
     for size in sizes:
         piece, rest = rest[:size], rest[size:]
@@ -495,7 +500,7 @@ def test_a_request_whose_framing_another_parser_could_read_otherwise_is_400_and_
     """RFC 9112 framing, to the letter: behind a proxy that reads these differently, any leniency is smuggling."""
     connection = RawConnection(live.port)
     try:
-        code, body, response = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header +
+        code, body, response = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n" + header +
                                                    b"\r\n\r\n" + FRAMED)
         assert code == 400 and response.getheader("Connection") == "close", body
         assert json.loads(body)["error"]["code"] == "bad_request"
@@ -509,8 +514,8 @@ def test_a_request_whose_framing_another_parser_could_read_otherwise_is_400_and_
 def test_well_framed_requests_are_read(live, header):
     connection = RawConnection(live.port)
     try:
-        code, body, _ = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + header +
-                                            b"\r\n\r\n" + FRAMED)
+        code, body, _ = connection.exchange(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                            b"Content-Type: application/json\r\n" + header + b"\r\n\r\n" + FRAMED)
         assert code == 200, body
     finally:
         connection.close()
@@ -569,7 +574,8 @@ def test_a_client_that_disconnects_cancels_its_generation(engine):
         for stream in (False, True):
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
             body = json.dumps({"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": stream}).encode()
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"\r\n%s" % (len(body), body))
             wait_until(lambda: engine.load()[1] == 1, what="the generation to start")
             sock.close()
             wait_until(lambda: engine.load() == (0, 0), what="the generation to stop after the client left")

@@ -111,6 +111,10 @@ def test_ollamas_keep_alive_loads_unloads_and_shows_in_ps(two):
     unloaded = two.json("POST", "/api/generate", {"model": "coder", "keep_alive": 0})[1]
     assert unloaded["done_reason"] == "unload" and two.json("GET", "/api/ps")[1]["models"] == []
     assert two.json("POST", "/api/generate", {"model": "coder", "keep_alive": "soon"})[0] == 400
+    first = two.app.models.default
+    assert two.json("POST", "/api/generate", {"model": first.name})[1]["done_reason"] == "load"
+    kept = two.json("POST", "/api/generate", {"model": first.name, "keep_alive": 0})[1]
+    assert kept["done_reason"] == "load" and first.state == "loaded"  # the model everyone is served by stays
 
 
 def test_answers_sessions_and_metrics_are_each_models_own(two):

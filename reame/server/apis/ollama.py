@@ -196,7 +196,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         served = app.served(name)
         if keep_alive == 0:
             app.models.unload_idle(served)
-            reason = "unload"
+            reason = "load" if served.pinned else "unload"  # the first model stays: it is everyone's
         else:
             app.model(handler, name, keep_alive)
             reason = "load"
