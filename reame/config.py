@@ -107,6 +107,8 @@ KEYS: tuple[Key, ...] = (
         minimum=0.1),
     Key("server.request_logging", "bool", True, "log one line per HTTP request"),
     Key("server.metrics", "bool", True, "serve GET /metrics (Prometheus text); false = 404"),
+    Key("server.allow_pull", "bool", False, "let clients fetch catalog models to this machine with Ollama's "
+        "/api/pull (gigabytes of disk each); false = 403"),
     Key("cache.enabled", "bool", True, "keep prompts' KV in the persistent prefix cache and restore it"),
     Key("cache.dir", "str", "", "prefix cache directory, shared by processes; empty = $REAME_CACHE/kv"),
     Key("cache.disk_mb", "float", 4096, "most MiB of snapshots in cache.dir (least recently used go first)",

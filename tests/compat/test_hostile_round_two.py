@@ -75,6 +75,13 @@ def test_a_web_page_can_neither_pull_nor_unload_nor_read_through_a_rebound_name(
     assert send(server, "POST", "/api/chat", json.dumps(CHAT).encode(), own)[0] == 200
 
 
+def test_pull_is_off_unless_the_server_allows_it(server):
+    """Finding 5: any client could fill the disk with the catalog."""
+    status, answer, seconds = json_call(server, "/api/pull", {"model": "qwen3.5-9b", "stream": False})
+    assert status == 403 and "server.allow_pull" in answer["error"] and seconds < 1.0
+    assert not (server.home / "models").exists()
+
+
 def test_no_client_can_unload_the_first_model(server):
     """Finding 6: an empty /api/generate with keep_alive 0, repeated, left the next chat to load the model."""
     for _ in range(3):

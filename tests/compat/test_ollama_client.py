@@ -18,7 +18,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(native_libraries, smollm2_path):
-    with serve(smollm2_path) as live:
+    with serve(smollm2_path, env={"REAME_SERVER_ALLOW_PULL": "true"}) as live:
         yield ollama.Client(host=live.base)
 
 

