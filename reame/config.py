@@ -84,7 +84,7 @@ KEYS: tuple[Key, ...] = (
     Key("server.prefill_chunk_tokens", "int", 128,
         "most prompt tokens fed per step while other streams decode (0 = a whole batch)", minimum=0),
     Key("server.max_queue", "int", 32, "generations waiting for a sequence slot (each of a request's n or "
-        "best_of counts); more get 429", minimum=1),
+        "best_of counts) and embedding requests not yet answered (one each); more get 429", minimum=1),
     Key("server.max_answer_tokens", "int", 4096, "the most tokens one answer gets, whatever its request asks "
         "(a larger max_tokens is clamped: finish_reason length); 0 = what the context leaves", minimum=0),
     Key("server.models", "str", "", "more models this server serves besides the one it starts with: "

@@ -12,28 +12,35 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from reame.errors import ModelError, RequestError
 from reame.model.backend import Backend
 
 log = logging.getLogger("reame.engine")
+MAX_INPUTS = 2048  # per job, every route's (OpenAI's limit per request): a job is computed whole once queued
 
 
 class EmbeddingJob:
     """Token inputs to embed, and the caller's end of the job: the engine thread fills `vectors`
-    (unit length, in input order) or `error`, then sets `done`."""
+    (unit length, in input order) or `error`, then sets `done`. A job counts against the engine's queue
+    from its submission to its end (`on_end`, called once)."""
 
-    def __init__(self, inputs: list[list[int]]) -> None:
+    def __init__(self, inputs: list[list[int]], on_end: Callable[[], None] = lambda: None) -> None:
         self.inputs = inputs
         self.vectors: list[list[float]] = []
         self.error = ""
         self.done = threading.Event()
+        self.cancelled = False  # set by the caller whose client left: the engine drops the rest of the job
+        self._on_end = on_end
 
     @classmethod
     def checked(cls, inputs: list[list[int]], backend: Backend) -> EmbeddingJob:
-        """A job for `inputs`; RequestError for one the embedding context cannot hold or a token outside the
-        vocabulary (in the caller's thread, before anything is queued)."""
+        """A job for `inputs`; RequestError for too many inputs, one the embedding context cannot hold or a
+        token outside the vocabulary (in the caller's thread, before anything is queued)."""
+        if len(inputs) > MAX_INPUTS:
+            raise RequestError(f"at most {MAX_INPUTS} inputs per request; this one has {len(inputs)}",
+                               param="input", code="invalid_value")
         limit = backend.embedding_context_tokens
         for index, tokens in enumerate(inputs):
             if not tokens:
@@ -47,9 +54,22 @@ class EmbeddingJob:
                     raise RequestError(f"token id {token} is outside the vocabulary", param="input")
         return cls(inputs)
 
-    def failed(self, why: str) -> None:
-        self.error = why
+    def counted(self, on_end: Callable[[], None]) -> EmbeddingJob:
+        """This job, calling `on_end` once when it ends (the engine's queue count)."""
+        self._on_end = on_end
+        return self
+
+    def end(self, error: str = "") -> None:
+        """The job is over, computed (no `error`), failed or cancelled; once."""
+        if self.done.is_set():
+            return
+        self.error = error
+        self._on_end()
         self.done.set()
+
+    def cancel(self) -> None:
+        """The caller no longer wants the vectors: the engine drops the job before its next batch."""
+        self.cancelled = True
 
     def result(self, timeout_s: float | None = None) -> list[list[float]]:
         if not self.done.wait(timeout_s):
@@ -73,8 +93,13 @@ class Embeddings:
         self._jobs.append((job, 0))
 
     def step(self, backend: Backend) -> None:
-        """One embedding decode: the next inputs of the oldest job that fit one batch."""
+        """One embedding decode: the next inputs of the oldest job that fit one batch (a cancelled job is
+        dropped instead)."""
         job, done = self._jobs[0]
+        if job.cancelled:
+            self._jobs.popleft()
+            job.end("cancelled: the client left")
+            return
         end, tokens = done, 0
         while end < len(job.inputs) and end - done < backend.embedding_batch and \
                 tokens + len(job.inputs[end]) <= backend.embedding_context_tokens:
@@ -84,17 +109,18 @@ class Embeddings:
             job.vectors.extend(unit_length(vector) for vector in backend.embed(job.inputs[done:end]))
         except Exception as error:  # one failed job fails alone
             log.exception("embedding failed")
-            job.error = str(error) if isinstance(error, ModelError) else f"internal error: {error!r}"
-            end = len(job.inputs)
+            self._jobs.popleft()
+            job.end(str(error) if isinstance(error, ModelError) else f"internal error: {error!r}")
+            return
         if end < len(job.inputs):
             self._jobs[0] = (job, end)
             return
         self._jobs.popleft()
-        job.done.set()
+        job.end()
 
     def fail_all(self, why: str) -> None:
         while self._jobs:
-            self._jobs.popleft()[0].failed(why)
+            self._jobs.popleft()[0].end(why)
 
 
 def unit_length(vector: Sequence[float]) -> list[float]:

@@ -135,7 +135,8 @@ class Engine:
             cache.follow(self.idle)
         self.status = EngineStatus(idle_prefixes=((),) * backend.n_seq_max)
         self._inbox: queue.SimpleQueue[list[Handle] | EmbeddingJob | _Call | None] = queue.SimpleQueue()
-        # Generations submitted and not yet admitted to a slot (or answered), every one counted against max_queue.
+        # Generations submitted and not yet admitted to a slot (or answered), and embedding jobs not yet ended,
+        # every one counted against max_queue.
         self._queue_lock = threading.Lock()
         self._queued = 0
         # Engine thread only, from here on.
@@ -226,9 +227,16 @@ class Engine:
         """Queue token inputs for embedding (RequestError at once for one the embedding context cannot
         hold); the engine thread computes them between generation steps."""
         self._check_available()
-        job = EmbeddingJob.checked(inputs, self.backend)
-        self._inbox.put(job)
+        job = EmbeddingJob.checked(inputs, self.backend).counted(self._embedding_ended)
+        with self._queue_lock:  # a job waits and runs beside generations: it counts against max_queue as one
+            self._check_room(1)
+            self._queued += 1
+            self._inbox.put(job)
         return job
+
+    def _embedding_ended(self) -> None:
+        with self._queue_lock:
+            self._queued -= 1
 
     def call(self, function: Callable[[], Any], timeout_s: float = 60.0) -> Any:
         """Run `function` on the engine thread, between two steps, and return what it returns."""
@@ -410,7 +418,7 @@ class Engine:
                 for handle in item:
                     self._reject(handle, reason, why)
             elif isinstance(item, EmbeddingJob):
-                item.failed(why)
+                item.end(why)
             elif isinstance(item, _Call):
                 item.error = EngineUnavailable(why)
                 item.done.set()

@@ -127,8 +127,13 @@ class Service:
         engine = loaded(model)
         job = self.submit_checked(lambda: engine.embed(inputs))
         while not job.done.wait(POLL_S):
-            self.models.check(model)
+            try:
+                self.models.check(model)
+            except EngineUnavailable:
+                job.cancel()
+                raise
             if handler.client_gone():
+                job.cancel()  # no one wants the rest: the engine drops it before its next batch
                 handler.close_connection = True
                 return None
         try:

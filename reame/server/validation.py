@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from reame.engine import SamplingParams
+from reame.engine.embeddings import MAX_INPUTS
 from reame.errors import RequestError
 from reame.server.http import HttpError
 from reame.structured.tools import parsed_arguments
@@ -195,7 +196,7 @@ def completion_prompts(prompt: Any) -> list[Any]:
     return prompts
 
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+MAX_EMBEDDING_INPUTS = MAX_INPUTS  # OpenAI's limit per request, checked here before anything is tokenized
 
 
 def embedding_inputs(value: Any) -> list[str | list[int]]:

@@ -2,13 +2,17 @@
 
 import array
 import base64
+import json
 import math
+import socket
 import threading
 
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.errors import ModelError, OverloadedError, RequestError
 from tests.fakes.backend import EMBEDDING_SIZE, FakeBackend, gated_rule
+from tests.waiting import wait_until
 
 from .test_server import Live
 
@@ -78,3 +82,68 @@ def test_an_input_over_the_context_is_context_length_exceeded(server):
 
 def test_the_full_dimension_count_is_accepted(server):
     assert server.json("POST", "/v1/embeddings", {"input": "a", "dimensions": EMBEDDING_SIZE})[0] == 200
+
+
+def test_every_route_caps_the_inputs_before_tokenizing_them(server):
+    """Issue 49, finding 1: /api/embed took 5,000 one-letter inputs (67 s of CPU) and would take millions."""
+    many = ["a"] * 2049
+    for path, body in (("/api/embed", {"model": "m", "input": many}), ("/v1/embeddings", {"input": many})):
+        status, answer = server.json("POST", path, body)
+        assert status == 400 and "at most 2048 inputs" in json.dumps(answer), path
+    assert server.model.engine.backend.embed_calls == []
+    with pytest.raises(RequestError):  # and the engine itself, whoever calls it
+        server.model.engine.embed([[1]] * 2049)
+
+
+def test_an_embedding_job_counts_against_the_queue_and_ends_when_its_client_leaves():
+    """Finding 1: embedding jobs were never counted or cancelled (one kept computing 35 s after its client left,
+    slowing every chat beside it)."""
+    backend = FakeBackend(n_ctx=1024, n_seq_max=2)
+    entered, release = threading.Event(), threading.Event()
+    original = backend.embed
+
+    def slow(inputs):
+        entered.set()
+        assert release.wait(10)
+        return original(inputs)
+    backend.embed = slow
+    with Engine(backend, max_queue=1) as engine:
+        job = engine.embed([[1, 2]] * 40)  # 10 batches of 4
+        assert entered.wait(10)
+        assert engine.load()[0] == 1
+        with pytest.raises(OverloadedError):  # the queue's one place is the job's
+            engine.submit(GenerationRequest("hello", SamplingParams(max_tokens=2)))
+        with pytest.raises(OverloadedError):
+            engine.embed([[3]])
+        job.cancel()
+        release.set()
+        with pytest.raises(ModelError, match="cancelled"):
+            job.result(10)
+        assert backend.embed_calls == [4]  # the batch under way, and none after the cancel
+        assert engine.load()[0] == 0
+        assert engine.generate(GenerationRequest("hello", SamplingParams(max_tokens=2)), timeout_s=10).tokens
+
+
+def test_a_client_that_leaves_cancels_its_embeddings():
+    backend = FakeBackend(n_ctx=1024, n_seq_max=2)
+    entered, release = threading.Event(), threading.Event()
+    original = backend.embed
+
+    def slow(inputs):
+        entered.set()
+        release.wait(0.05)
+        return original(inputs)
+    backend.embed = slow
+    with Engine(backend) as engine:
+        live = Live(engine)
+        try:
+            sock = socket.create_connection(("127.0.0.1", live.port), timeout=5)
+            body = json.dumps({"model": "m", "input": [f"text {i}" for i in range(400)]}).encode()
+            sock.sendall(b"POST /api/embed HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert entered.wait(10)
+            sock.close()
+            wait_until(lambda: engine.load()[0] == 0, timeout_s=10)
+            assert len(backend.embed_calls) < 100  # of the 100 batches the job had
+        finally:
+            live.close()
