@@ -89,13 +89,16 @@ def test_another_keys_responses_are_not_found(engine):
 
 
 def test_stored_responses_are_bounded_in_number_size_and_time():
-    kept = Conversations(keep_seconds=60, max_kept=2, max_characters=100)
+    kept = Conversations(keep_seconds=60, max_kept=2, max_bytes=100)
     for n in range(3):
         kept.keep("", f"r{n}", [{"role": "user", "content": "x" * 10}], {})
     assert kept.find("", "r0") is None and kept.find("", "r2") is not None
+    assert kept.find("", "r2").messages == [{"role": "user", "content": "x" * 10}]
     kept.keep("", "big", [{"role": "user", "content": "x" * 101}], {})
     assert kept.find("", "big") is None
-    old = Conversations(keep_seconds=0.001)
+    kept.keep("", "echo", [], {"metadata": [{}] * 60})  # what the response echoes counts too
+    assert kept.find("", "echo") is None
+    old = Conversations(keep_seconds=0.001)  # (waits on the clock: expiry is the behaviour under test)
     old.keep("", "r", [{"role": "user", "content": "x"}], {})
     time.sleep(0.01)
     assert old.find("", "r") is None
@@ -118,3 +121,23 @@ def test_text_format_makes_the_answer_follow_a_schema(structured_server):
         ASK, temperature=1.0, max_output_tokens=300, text={"format": {"type": "json_schema", "name": "n",
                                                                       "schema": schema}}))
     assert isinstance(json.loads(body["output"][0]["content"][0]["text"])["n"], int)
+
+
+def test_a_key_storing_in_a_loop_evicts_its_own_responses_not_another_keys():
+    """Issue 49, finding 2: key A's 1,000 stored responses evicted key B's (GET and previous_response_id 404)."""
+    kept = Conversations(keep_seconds=60, max_kept=10, max_bytes=10_000)
+    kept.keep("b", "b0", [{"role": "user", "content": "mine"}], {"id": "b0"})
+    for n in range(1000):
+        kept.keep("a", f"a{n}", [{"role": "user", "content": "x" * 50}], {"id": f"a{n}"})
+    assert kept.find("b", "b0") is not None and kept.find("a", "a999") is not None and kept.find("a", "a0") is None
+    for n in range(50):
+        kept.keep("a", f"big{n}", [{"role": "user", "content": "y" * 2000}], {})
+    assert kept.find("b", "b0") is not None  # by bytes too
+
+
+@pytest.mark.parametrize("field, value", [
+    ("metadata", [{}] * 10), ("metadata", {f"k{n}": "v" for n in range(17)}), ("metadata", {"k" * 65: "v"}),
+    ("metadata", {"k": "v" * 513}), ("metadata", {"k": {}}), ("user", "u" * 513), ("user", 5)])
+def test_request_fields_a_stored_response_echoes_are_bounded(live, field, value):
+    status, answer = live.json("POST", "/v1/responses", dict(ASK, **{field: value}))
+    assert status == 400 and answer["error"]["param"] == field

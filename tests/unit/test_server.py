@@ -938,3 +938,12 @@ def test_max_tokens_beyond_the_context_is_clamped_to_what_it_leaves(live):
                                                          "ignore_eos": True, "temperature": 0})
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 1024
+
+
+def test_a_body_of_a_million_json_objects_is_refused_before_it_is_parsed(live):
+    """A 3 MiB body of 2^20 empty objects cost ~100 MiB of RSS once parsed; no route's request holds so many."""
+    for path in ("/v1/chat/completions", "/v1/responses", "/api/chat"):
+        status, answer = live.json("POST", path, {"model": "m", "metadata": [{}] * 100_001})
+        assert status == 400 and "100000 JSON objects and arrays" in json.dumps(answer), path
+    status, _ = live.json("POST", "/v1/completions", {"prompt": "[{" * 200, "max_tokens": 1})
+    assert status == 200  # brackets in text are counted, but a prompt's worth is far within the bound

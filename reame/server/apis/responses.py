@@ -24,6 +24,8 @@ from reame.structured.requested import requested_grammar
 from reame.structured.tools import ToolCall, ToolRequest, tool_request
 
 ROLES = ("user", "assistant", "system", "developer")
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
+MAX_USER = 512
 
 
 def item_messages(value: Any) -> list[dict[str, Any]]:
@@ -106,9 +108,27 @@ def text_format(body: dict[str, Any]) -> str | None:
     return requested_grammar({"response_format": spec})
 
 
+def checked_metadata(metadata: Any) -> None:
+    """OpenAI's bounds on `metadata`, which a stored response echoes: at most 16 string pairs, keys of at most 64
+    characters, values of at most 512."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or not all(
+            isinstance(key, str) and isinstance(value, str) and len(key) <= MAX_METADATA_KEY and
+            len(value) <= MAX_METADATA_VALUE for key, value in metadata.items()):
+        raise HttpError(400, f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} string values, keys of "
+                        f"at most {MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
+                        param="metadata", code="invalid_value")
+
+
 def create(app: Service, handler: Handler, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
+    checked_metadata(body.get("metadata"))
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER):
+        raise HttpError(400, f"'user' must be a string of at most {MAX_USER} characters", param="user",
+                        code="invalid_value")
     model = requested_model(fields)
     served = app.model(handler, model)
     engine = loaded(served)
@@ -286,7 +306,7 @@ def stored(app: Service, handler: Handler, path: str) -> None:
     found = app.conversations.find(handler.owner, response_id)
     if found is None:
         raise HttpError(404, f"Response with id '{response_id}' not found.", code="not_found")
-    handler.send_json(200, found.response)
+    handler.send_body(200, found.response_json, "application/json")
 
 
 ROUTES = [Route("/v1/responses", ("POST",), create),
