@@ -175,26 +175,30 @@ def extract_natives(archive: Path, target: Path) -> None:
     import shutil
     import tempfile
     import zipfile
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    mask = os.umask(0o077)  # this user's alone, whatever their umask: the .pyz refuses code others could write
     try:
-        prefix = f"{BUNDLE_DIR}/{machine()}/"
-        with zipfile.ZipFile(archive) as bundle:
-            for member in bundle.infolist():
-                if not member.filename.startswith(prefix) or member.is_dir():
-                    continue
-                destination = staging / member.filename[len(prefix):]
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                with bundle.open(member) as source, destination.open("wb") as out:
-                    shutil.copyfileobj(source, out)
-                destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
-        staging.chmod(0o755)
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "lib").exists():
-            raise
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+        try:
+            prefix = f"{BUNDLE_DIR}/{machine()}/"
+            with zipfile.ZipFile(archive) as bundle:
+                for member in bundle.infolist():
+                    if not member.filename.startswith(prefix) or member.is_dir():
+                        continue
+                    destination = staging / member.filename[len(prefix):]
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    with bundle.open(member) as source, destination.open("wb") as out:
+                        shutil.copyfileobj(source, out)
+                    destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
+            staging.chmod(0o755)
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "lib").exists():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.umask(mask)
 
 
 def locate() -> NativeLibraries:

@@ -210,3 +210,33 @@ def test_bare_serve_reads_the_first_config_found_else_serves_the_default_model(p
                                                           "max_tokens": 4})
         assert answer["usage"]["completion_tokens"] >= 1
     assert said in "".join(live.log)
+
+
+def test_under_a_permissive_umask_the_extracted_code_is_private(pyz, python, tmp_path):
+    """Issue 49, finding 7: under umask 000 the tree and natives were 777/666, and a .pyc another local user
+    planted ran as root at the next --version."""
+    workdir, env = isolated(pyz, tmp_path)
+    result = subprocess.run(["sh", "-c", f"umask 000 && exec {python} -I -S reame.pyz --version"], cwd=workdir,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lib = tmp_path / "home" / ".cache" / "reame" / "lib"
+    shared = [path for path in lib.rglob("*") if path.lstat().st_mode & 0o022]
+    assert shared == [] and any(lib.glob("*-python")) and any(lib.glob(f"*-{machine()}"))
+
+
+@pytest.mark.parametrize("where", ["python", "native"])
+def test_code_another_user_could_write_is_refused_before_anything_is_imported(pyz, tmp_path, where):
+    first = run_isolated(sys.executable, pyz, tmp_path, "--version")
+    assert first.returncode == 0, first.stderr
+    lib = tmp_path / "home" / ".cache" / "reame" / "lib"
+    (tree,) = lib.glob("*-python" if where == "python" else f"*-{machine()}")
+    planted = next(path for path in tree.rglob("*.pyc" if where == "python" else "*.so*"))
+    for attack, undo in ((lambda: planted.chmod(0o666), lambda: planted.chmod(0o600)),
+                         (lambda: os.chown(planted, 65534, 65534), lambda: os.chown(planted, 0, 0)),
+                         (lambda: lib.chmod(0o777), lambda: lib.chmod(0o700))):
+        attack()
+        refused = run_isolated(sys.executable, pyz, tmp_path, "--version")
+        assert refused.returncode == 1 and "refusing to run code" in refused.stderr, refused.stderr
+        assert str(lib) in refused.stderr and refused.stdout == ""
+        undo()
+    assert run_isolated(sys.executable, pyz, tmp_path, "--version").returncode == 0
