@@ -184,29 +184,29 @@ def one_attack(port: int, rng: random.Random, tally: Tally) -> float:
         if attack in REFUSED_BODIES:
             path, body = REFUSED_BODIES[attack]
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            connection.request("POST", path, body=json.dumps(body))
+            connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
             response = connection.getresponse()
             response.read()
             connection.close()
             held = response.status == 400 or (response.status in (429, 503) and response.getheader("Retry-After"))
         elif attack == "max_tokens 2^31":
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            connection.request("POST", "/v1/completions", body=json.dumps(
-                {"prompt": "count:", "max_tokens": 2**31, "ignore_eos": True}))
+            connection.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                               body=json.dumps({"prompt": "count:", "max_tokens": 2**31, "ignore_eos": True}))
             response = connection.getresponse()
             answer = json.loads(response.read())
             connection.close()
             held = response.status in (429, 503) or answer["usage"]["completion_tokens"] <= ANSWER_CAP
         elif attack == "lenient framing":
-            reply = raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: +16\r\n\r\n"
-                                       b'{"prompt":"hi"}x')
+            reply = raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                       b"Content-Length: +16\r\n\r\n" b'{"prompt":"hi"}x')
             held = reply.startswith(b"HTTP/1.1 400") or reply.startswith(b"HTTP/1.1 503")
         elif attack == "idle socket":
             with socket.create_connection(("127.0.0.1", port), timeout=60):
                 time.sleep(rng.uniform(0.5, 3.0))
             held = True
         else:
-            reply = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 60 + b"\r\n\r\n",
+            reply = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"z" * 60 + b"\r\n\r\n",
                                  pause_s=0.05)
             held = reply == b"" or reply.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503"))
         tally.add("attack answered as promised" if held else "attack mishandled",
