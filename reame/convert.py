@@ -128,8 +128,11 @@ def wordpiece_vocabulary(tokenizer: dict[str, Any]) -> tuple[list[str], list[int
         if not isinstance(index, int) or not 0 <= index < len(vocab) or by_id[index] is not None:
             raise ModelError("tokenizer.json's vocabulary ids are not 0..n-1 each once")
         by_id[index] = piece
-    special = {item.get("content") for item in tokenizer.get("added_tokens") or []
-               if isinstance(item, dict) and item.get("special")}
+    added = tokenizer.get("added_tokens") or []
+    if not isinstance(added, list):
+        raise ModelError("tokenizer.json's added_tokens is not a list")
+    special = {item["content"] for item in added
+               if isinstance(item, dict) and item.get("special") and isinstance(item.get("content"), str)}
     tokens, types = [], []
     for piece in by_id:
         assert piece is not None
@@ -157,6 +160,8 @@ def safetensors_layout(path: Path, layers: int) -> list[Tensor]:
     if not isinstance(header, dict):
         raise ModelError(f"{path.name}: the header is not a JSON object")
     base = 8 + length
+    if layers * len(LAYER) * 2 > len(header):  # before the names are made: their count follows `layers`
+        raise ModelError(f"config.json says {layers} layers; {path.name} holds {len(header)} tensors")
     names = dict(EMBEDDINGS)
     for layer in range(layers):
         for hf, gguf in LAYER.items():

