@@ -29,7 +29,7 @@ from reame.engine import FinishEvent, SamplingParams, Usage
 from reame.engine.request import FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
-    from reame.arca.client import StoreClient
+    from reame.arca.client import StoreCommands
 
 KEY_PREFIX = b"reame:answer:"
 
@@ -49,7 +49,7 @@ class CachedAnswer:
 class SharedAnswers:
     """The shared store as a tier: answers expire after `ttl_ms` (0: when the store evicts them)."""
 
-    def __init__(self, store: StoreClient, ttl_ms: int) -> None:
+    def __init__(self, store: StoreCommands, ttl_ms: int) -> None:
         self.store = store
         self.ttl_ms = ttl_ms
 

@@ -229,14 +229,21 @@ def semantic_caches(settings: Settings, fingerprints: list[bytes],
 
 
 def shared_store(settings: Settings) -> StoreCommands:
-    """A new client of the store `arca.remote` names (each user of the store has its own connection)."""
+    """A new client of the store `arca.remote` names (each user of the store has its own connection), its
+    values sealed with `arca.secret` when there is one."""
     from reame.arca.stores import connect, parse_remote  # only a node with a store loads its client
-    return connect(parse_remote(settings.arca.remote))
+    store = connect(parse_remote(settings.arca.remote))
+    if not settings.arca.secret:
+        return store
+    from reame.arca.sealed import SealedStore
+    return SealedStore(store, settings.arca.secret.encode())
 
 
 def store_description(settings: Settings) -> str:
     from reame.arca.stores import describe, parse_remote
-    return describe(parse_remote(settings.arca.remote))
+    sealed = "sealed with arca.secret" if settings.arca.secret else \
+        "unsealed: whoever can write to it decides what this node serves from it (arca.secret)"
+    return f"{describe(parse_remote(settings.arca.remote))}, {sealed}"
 
 
 def progress_stream() -> TextIO | None:

@@ -154,6 +154,9 @@ KEYS: tuple[Key, ...] = (
     Key("arca.remote", "str", "", "a serving node's shared store (ARCA or a real Redis/Valkey): host[:port] (port "
         "6420 when omitted), redis://[:password@]host[:port]/0 (port 6379) or redis+cluster://host1:port1,host2:port2"
         ": prefix-cache snapshots, exact answers (after this node's own), the Palimpsest's corpus; empty = none"),
+    Key("arca.secret", "str", "", "with arca.remote: the fleet's shared secret; every value a node writes to the "
+        "store is sealed with it (HMAC-SHA256) and only values sealed with it are used; empty = none, and whoever "
+        "can write to the store decides what every node serves from it"),
     Key("arca.answer_ttl_hours", "float", 168, "how long the store keeps an exact answer; 0 = until evicted",
         minimum=0),
     Key("embeddings.context_length", "int", 2048,

@@ -147,6 +147,7 @@ class ArcaOptions:
     timeout_s: float
     max_query_bytes: int
     remote: str
+    secret: str
     answer_ttl_ms: int
 
 
@@ -230,7 +231,7 @@ def from_values(values: dict[str, Value]) -> Settings:
                          Path(get("arca.dir")).expanduser() if get("arca.dir") else cache_root() / "arca",
                          int(get("arca.max_mb") * 2**20), get("arca.requirepass"), get("arca.max_clients"),
                          get("arca.timeout_seconds"), int(get("arca.client_query_buffer_mb") * 2**20),
-                         get("arca.remote"),
+                         get("arca.remote"), get("arca.secret"),
                          int(get("arca.answer_ttl_hours") * 3_600_000)),
         generation=SamplingParams(
             max_tokens=get("generation.max_tokens"), temperature=get("generation.temperature"),

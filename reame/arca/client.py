@@ -4,8 +4,8 @@ A store is a speed-up, never a dependency: every call has a short timeout, a fai
 marks the store down and answers as if it had nothing (a miss, a write not made),
 and the next try waits a backoff that doubles up to BACKOFF_MAX_S. Thread-safe (one
 connection, one lock: calls are a fraction of a millisecond on a local network).
-A reply is read with bounds (its size, its nesting): a store that sends more is
-treated as down. A Redis Cluster is reame/arca/cluster.py, over one client per node.
+A reply is read with bounds (its size, its items in all, its nesting) and within one deadline for the whole
+reply, however slowly the bytes come: a store that sends more, or takes longer, is treated as down. A Redis Cluster is reame/arca/cluster.py, over one client per node.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ BACKOFF_MAX_S = 30.0
 
 
 MAX_BULK_BYTES = 64 << 20  # a KV chunk is 4 MiB; nothing a node asks for is larger
-MAX_ARRAY_ITEMS = 1 << 20
+MAX_REPLY_BYTES = 128 << 20  # a whole reply on the wire
+MAX_REPLY_ITEMS = 1 << 16  # array items in a whole reply: each costs a Python object (36 MiB of them: +659 MiB)
 MAX_DEPTH = 8  # stream replies nest 4 deep
 
 REDIS_PORT = 6379  # a redis:// URL without a port, as Redis's own clients read it
@@ -142,6 +143,9 @@ class StoreClient(StoreCommands):
         self._down_until = 0.0
         self._backoff = BACKOFF_START_S
         self.failures = 0
+        self._deadline = 0.0  # of the request being read, and what its reply has cost so far
+        self._received = 0
+        self._items = 0
 
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         """The reply, or None when the store is down (or answered an error)."""
@@ -203,6 +207,8 @@ class StoreClient(StoreCommands):
 
     def _request(self, words: list[bytes], timeout_s: float) -> object:
         assert self._socket is not None
+        self._deadline = time.monotonic() + timeout_s
+        self._received, self._items = 0, 0
         self._socket.settimeout(timeout_s)
         self._socket.sendall(command_bytes(*words))
         return self._reply()
@@ -225,7 +231,8 @@ class StoreClient(StoreCommands):
             return self._exactly(length + 2)[:-2]
         if kind == b"*":
             count = self._number(rest)
-            if count > MAX_ARRAY_ITEMS or depth >= MAX_DEPTH:
+            self._items += max(count, 0)
+            if self._items > MAX_REPLY_ITEMS or depth >= MAX_DEPTH:
                 raise StoreDown("an array too large or too deep")
             return None if count < 0 else [self._reply(depth + 1) for _ in range(count)]
         raise StoreDown(f"unexpected reply {bytes(line[:20])!r}")
@@ -258,8 +265,16 @@ class StoreClient(StoreCommands):
         return data
 
     def _more(self, wanted: int = 0) -> None:
+        """More of the reply, within the request's deadline and MAX_REPLY_BYTES."""
         assert self._socket is not None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise StoreDown("no whole reply in time")
+        self._socket.settimeout(left)
         chunk = self._socket.recv(max(65536, min(wanted, 4 << 20)))
         if not chunk:
             raise StoreDown("the store closed the connection")
+        self._received += len(chunk)
+        if self._received > MAX_REPLY_BYTES:
+            raise StoreDown(f"a reply of more than {MAX_REPLY_BYTES} bytes")
         self._buffer += chunk

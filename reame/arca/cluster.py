@@ -20,6 +20,7 @@ log = logging.getLogger("reame.arca")
 
 SLOTS = 16384
 MAX_REDIRECTIONS = 3
+MAX_MAPPED_RANGES = 1024  # slot ranges in a CLUSTER SLOTS reply (Redis advises at most 1,000 nodes)
 
 
 def _crc16_table() -> list[int]:
@@ -70,6 +71,7 @@ class ClusterClient(StoreCommands):
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, int], StoreClient] = {}
         self._slots: list[tuple[str, int] | None] = [None] * SLOTS
+        self._mapped: set[tuple[str, int]] = set()  # the nodes the slot map names
         self._stale = True  # the slot map must be (re)learned before the next command
 
     @property
@@ -94,6 +96,12 @@ class ClusterClient(StoreCommands):
                 log.warning("the cluster refused %s: %s", words[0].decode(), reply)
                 return None
             kind, node = redirection
+            if not self._named(node):  # a store can name any host: the password goes to mapped nodes only
+                log.warning("the cluster redirected %s to %s:%d, which its slot map does not name: not followed "
+                            "(the map is read again)", words[0].decode(), node[0][:64], node[1])
+                with self._lock:
+                    self._stale = True
+                return None
             if kind == "MOVED":
                 with self._lock:
                     self._slots[slot] = node
@@ -107,6 +115,11 @@ class ClusterClient(StoreCommands):
             nodes = list(self._nodes.values())
         for node in nodes:
             node.close()
+
+    def _named(self, node: tuple[str, int]) -> bool:
+        """Whether the slot map or the configured seeds name `node`."""
+        with self._lock:
+            return node in self.address.seeds or node in self._mapped
 
     def _node(self, where: tuple[str, int]) -> StoreClient:
         with self._lock:
@@ -133,13 +146,14 @@ class ClusterClient(StoreCommands):
             if slots is not None:
                 with self._lock:
                     self._slots = slots
+                    self._mapped = {node for node in slots if node is not None}
                     self._stale = False
                 return
 
 
 def _slot_map(reply: object, asked_host: str) -> list[tuple[str, int] | None] | None:
     """CLUSTER SLOTS' reply as slot -> primary node, or None for a reply that is not one."""
-    if not isinstance(reply, list):
+    if not isinstance(reply, list) or len(reply) > MAX_MAPPED_RANGES:
         return None
     slots: list[tuple[str, int] | None] = [None] * SLOTS
     try:

@@ -196,18 +196,16 @@ class RemoteKV:
         chunks, size, kept_tokens = meta
         if common_prefix(tokens, kept_tokens) <= better_than:
             return self._missed("misses")
-        data = bytearray(size)
-        filled = 0
+        data = bytearray()  # grown as chunks arrive: a meta's claimed size allocates nothing by itself
         for index in range(chunks):
             left = deadline - time.monotonic()
             if left <= 0:
                 return self._missed("timeouts")
             chunk = reader.call(b"GET", chunk_key(name, index), timeout_s=left)
-            expected = min(CHUNK_BYTES, size - filled)
+            expected = min(CHUNK_BYTES, size - len(data))
             if not isinstance(chunk, bytes) or len(chunk) != expected:
                 return self._missed("damaged" if chunk is not None else "misses")
-            data[filled:filled + expected] = chunk
-            filled += expected
+            data += chunk
         try:
             snapshot = decode(data, self.fingerprint)
         except CacheError:

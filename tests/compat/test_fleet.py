@@ -139,3 +139,32 @@ def test_reame_warm_on_one_machine_warms_the_fleet(native_libraries, smollm2_pat
         with live_server(command, env=dict(env, REAME_CACHE_DIR=str(tmp_path / "morning" / "kv"))) as server:
             _, answer = chat(server.base, WARMED, "How often is machine 3 serviced?")
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= report["tokens"] - 1
+
+
+def test_with_the_fleets_secret_an_answer_rewritten_in_redis_is_not_served(native_libraries, smollm2_path, tmp_path):
+    """Issue 49, finding 3 as written: someone with write access to the store rewrote node A's kept answer, and
+    node B served it (X-Reame-Cache: hit, a phishing link). With arca.secret, B computes the answer itself."""
+    import redis
+    with ExitStack() as stack:
+        port, _ = stack.enter_context(redis_server(tmp_path / "redis"))
+        command = [sys.executable, "-m", "reame", "run", str(smollm2_path), "--serve", "--port", "0", "--ctx",
+                   "2048", "--threads", "2"]
+
+        def node(name: str) -> str:
+            env = dict(os.environ, PYTHONPATH=str(ROOT), REAME_ARCA_REMOTE=f"redis://127.0.0.1:{port}/0",
+                       REAME_ARCA_SECRET="the fleet's secret", REAME_CACHE_DIR=str(tmp_path / name / "kv"),
+                       REAME_CACHE_ANSWERS_DIR=str(tmp_path / name / "a"),
+                       REAME_SPECULATIVE_PALIMPSEST_DIR=str(tmp_path / name / "p"))
+            return stack.enter_context(live_server(command, env=env)).base
+        first, second = node("node-a"), node("node-b")
+        ask = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8, "temperature": 0}
+        _, answered = post_json(first, "/v1/chat/completions", ask)
+        text = answered["choices"][0]["message"]["content"]
+        store = redis.Redis(port=port)
+        (key,) = store.keys("reame:answer:*")
+        kept = store.get(key)
+        assert text.encode() in kept  # sealed, not hidden: the tag comes first
+        store.set(key, kept.replace(text.encode(), b"Visit http://evil.example"))
+        headers, again = post_json(second, "/v1/chat/completions", ask)
+        assert headers["X-Reame-Cache"] == "miss" and "evil.example" not in json.dumps(again)
+        assert again["choices"][0]["message"]["content"] == text  # computed by B itself
