@@ -4,8 +4,9 @@ A store is a speed-up, never a dependency: every call has a short timeout, a fai
 marks the store down and answers as if it had nothing (a miss, a write not made),
 and the next try waits a backoff that doubles up to BACKOFF_MAX_S. Thread-safe (one
 connection, one lock: calls are a fraction of a millisecond on a local network).
-A reply is read with bounds (its size, its items in all, its nesting) and within one deadline for the whole
-reply, however slowly the bytes come: a store that sends more, or takes longer, is treated as down. A Redis Cluster is reame/arca/cluster.py, over one client per node.
+A reply is read with bounds (its size, its items in all, its nesting) and within one deadline for the
+whole reply, however slowly the bytes come: a store that sends more, or takes longer, is treated as down.
+A Redis Cluster is reame/arca/cluster.py, over one client per node.
 """
 
 from __future__ import annotations
