@@ -42,6 +42,8 @@ STREAM_PREFIX = b"reame:semantic:"
 MAX_QUESTION_CHARS = 2000  # a longer last message is a document, not a question: not looked up
 QUESTIONS_PER_SCOPE = 256  # kept per scope (the oldest go), in RAM and in the store's stream
 MAX_SCOPES = 1024  # scopes in RAM (the least recently used go)
+MAX_INDEX_BYTES = 64 << 20  # what every scope's kept questions take in RAM together, as KeptQuestion.size counts
+# (at 1,024 scopes of 256 long questions the index once took 1.2-1.6 GiB)
 
 NUMBER_WORDS = {
     word: str(value) for value, words in enumerate([
@@ -92,6 +94,12 @@ class KeptQuestion:
     answer_key: bytes
     details: Details
 
+    @property
+    def size(self) -> int:
+        """Bytes it takes in RAM, at most (a character counted at 4 bytes, a number's string at 64)."""
+        return 256 + 4 * len(self.text) + self.vector.itemsize * len(self.vector) + len(self.answer_key) + \
+            64 * len(self.details.numbers)
+
 
 @dataclass(frozen=True)
 class Match:
@@ -123,12 +131,18 @@ class Scope:
     def __init__(self) -> None:
         self.questions: collections.OrderedDict[bytes, KeptQuestion] = collections.OrderedDict()
         self.read_up_to = b"0-0"
+        self.size = 0  # the kept questions' sizes together
 
-    def keep(self, question: KeptQuestion) -> None:
-        self.questions.pop(question.answer_key, None)
+    def keep(self, question: KeptQuestion) -> int:
+        """Keep `question` (the oldest go past QUESTIONS_PER_SCOPE); how many bytes the scope grew by."""
+        before = self.size
+        replaced = self.questions.pop(question.answer_key, None)
+        self.size -= replaced.size if replaced is not None else 0
         self.questions[question.answer_key] = question
+        self.size += question.size
         while len(self.questions) > QUESTIONS_PER_SCOPE:
-            self.questions.popitem(last=False)
+            self.size -= self.questions.popitem(last=False)[1].size
+        return self.size - before
 
 
 class SemanticIndex:
@@ -143,6 +157,7 @@ class SemanticIndex:
         self.store = store
         self.ttl_ms = ttl_ms
         self._scopes: collections.OrderedDict[bytes, Scope] = collections.OrderedDict()
+        self._bytes = 0  # every scope's size together
         self._lock = threading.Lock()
 
     def scope(self, context: str, params: SamplingParams, shape: str) -> bytes:
@@ -165,7 +180,7 @@ class SemanticIndex:
     def add(self, scope: bytes, question: str, vector: Sequence[float], answer_key: bytes) -> None:
         packed = unit_float32(vector)
         with self._lock:
-            self._scope(scope).keep(KeptQuestion(question, packed, answer_key, details(question)))
+            self._keep(scope, [KeptQuestion(question, packed, answer_key, details(question))])
         if self.store is not None:
             stream = STREAM_PREFIX + scope
             self.store.xadd(stream, {b"q": question.encode(), b"v": little_endian(packed), b"a": answer_key},
@@ -179,8 +194,18 @@ class SemanticIndex:
         if entry is None:
             entry = self._scopes[scope] = Scope()
             while len(self._scopes) > MAX_SCOPES:
-                self._scopes.popitem(last=False)
+                self._bytes -= self._scopes.popitem(last=False)[1].size
         self._scopes.move_to_end(scope)
+        return entry
+
+    def _keep(self, scope: bytes, questions: list[KeptQuestion]) -> Scope:
+        """Keep `questions` in `scope`, then give up the least recently used other scopes while the index
+        is over MAX_INDEX_BYTES (lock held)."""
+        entry = self._scope(scope)
+        for question in questions:
+            self._bytes += entry.keep(question)
+        while self._bytes > MAX_INDEX_BYTES and len(self._scopes) > 1:
+            self._bytes -= self._scopes.popitem(last=False)[1].size
         return entry
 
     def _read_store(self, scope: bytes, dimensions: int) -> None:
@@ -192,9 +217,7 @@ class SemanticIndex:
         entries = self.store.xread(STREAM_PREFIX + scope, after, QUESTIONS_PER_SCOPE, block_ms=None)
         kept = [question for question in (decode(fields, dimensions) for _, fields in entries) if question]
         with self._lock:
-            entry = self._scope(scope)
-            for question in kept:
-                entry.keep(question)
+            entry = self._keep(scope, kept)
             if entries:
                 entry.read_up_to = entries[-1][0]
 

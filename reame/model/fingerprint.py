@@ -4,7 +4,9 @@ A KV snapshot is only valid for the same weights, the same llama.cpp, the same
 KV element type, the same attention kernel choice and the same stream layout.
 `model_content_hash` hashes the GGUF's size, its first bytes (header and
 metadata) and evenly spaced samples of its tensor data; it is cached per file
-(path, size, mtime) so a restart does not read the samples again.
+(path, inode, size, mtime and ctime: a file rewritten in place with its size and
+mtime put back still changes ctime, which no one can set) so a restart does not
+read the samples again.
 `remembered` keeps other facts computed from a model's content (its vocabulary's
 hash) the same way, so a one-shot start computes none of them twice.
 """
@@ -33,9 +35,9 @@ T = TypeVar("T")
 
 
 def model_content_hash(path: str | os.PathLike[str]) -> str:
-    """sha256 hex of a GGUF's size, head and tensor-data samples; cached by (path, size, mtime)."""
+    """sha256 hex of a GGUF's size, head and tensor-data samples; cached by (path, inode, size, mtime, ctime)."""
     stat = os.stat(path)
-    cache_key = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache_key = f"{os.path.realpath(path)}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}"
     cache_file = cache_root() / HASH_CACHE_FILE
     known = _read_hash_cache(cache_file)
     if cache_key in known:

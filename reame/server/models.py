@@ -181,8 +181,14 @@ class ModelPool:
                     self._unload(model, "its engine failed")
                     continue
                 if victims is not None:
-                    for victim in victims:
-                        self._unload(victim, "to make room for " + model.name)
+                    try:
+                        for victim in victims:
+                            self._unload(victim, "to make room for " + model.name)
+                    except BaseException:  # the victim is unloaded whatever its close raised; this model is not
+                        with self._lock:  # loading (it stayed "loading" for ever, every request waiting on it)
+                            model.state = "unloaded"
+                            self._lock.notify_all()
+                        raise
                     return self._load_now(model)  # held by this caller already; ModelUnavailable if it fails
                 if gone():
                     raise ConnectionResetError("the client left while its model was loading")

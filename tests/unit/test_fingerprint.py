@@ -70,3 +70,20 @@ def test_a_deep_or_oversized_memory_file_counts_as_empty(tmp_path, monkeypatch):
     assert fingerprint.remembered(path, "deep", lambda: "1", int) == 1
     memory.write_text('{"k": "' + "x" * (1 << 17) + '"}')
     assert fingerprint.remembered(path, "big", lambda: "2", int) == 2
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_mtime_put_back_gets_its_own_hash(tmp_path, monkeypatch):
+    """Issue 49 (suspected): the hash was cached by path, size and mtime, which whoever writes the file can
+    put back (touch -d): KV computed by one model would then be restored into another."""
+    import os
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    path = model_file(tmp_path, b"GGUF" + b"a" * 5000)
+    first = fingerprint.model_content_hash(path)
+    before = path.stat()
+    with open(path, "r+b") as stream:  # the same inode, the same size
+        stream.write(b"GGUF" + b"b" * 5000)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    while path.stat().st_ctime_ns == before.st_ctime_ns:  # the kernel's coarse clock has not ticked yet
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # (each call sets ctime to now)
+    assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert fingerprint.model_content_hash(path) != first

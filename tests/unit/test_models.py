@@ -2,6 +2,7 @@
 model unloaded for another, draining a busy one, keep-alive, deadlines, failed loads and failed engines."""
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -217,3 +218,21 @@ def test_a_hostile_header_makes_a_short_summary(metadata):
     assert all(isinstance(summary[key], str) and len(summary[key]) <= 32
                for key in ("architecture", "quantization", "parameter_size"))
     assert isinstance(summary["context_train"], int) and summary["context_train"] >= 0
+
+
+def test_a_victim_whose_engine_fails_to_close_leaves_the_model_loadable():
+    """Issue 49 (suspected, reproduced): unloading a victim raised, and the model it made room for stayed
+    "loading" for ever, every later request for it waiting until its deadline."""
+    models = pool("a", "b", max_loaded=1, wait_s=2.0)
+    a, b = models.models
+    models.acquire(a)
+    models.release(a)
+
+    def broken_close() -> None:
+        raise OSError("the engine thread did not stop")
+    a.engine.close = broken_close  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        models.acquire(b)
+    assert a.state == "unloaded" and b.state == "unloaded"
+    started = time.monotonic()
+    assert models.acquire(b).name == "b" and time.monotonic() - started < 1.0

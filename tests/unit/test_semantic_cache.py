@@ -141,6 +141,24 @@ def test_scopes_and_their_questions_are_bounded(monkeypatch):
     assert cache.find(scopes[2], QUESTION, vector_of(QUESTION)) is not None
 
 
+def test_the_index_stays_within_its_byte_budget_whatever_the_questions(monkeypatch):
+    """Issue 49 (suspected): 1,024 scopes of 256 long questions took the index to 1.2-1.6 GiB."""
+    import tracemalloc
+    monkeypatch.setattr(semantic, "MAX_INDEX_BYTES", 4 << 20)
+    cache = index(0.99)
+    long_question = "How many of 1 2 3 4 5 6 7 8 9 10 " * 55  # near MAX_QUESTION_CHARS, full of numbers
+    vector = vector_of(QUESTION)
+    tracemalloc.start()
+    for scope_number in range(16):
+        scope = cache.scope(f"ctx {scope_number}", SamplingParams(), "chat")
+        for n in range(64):
+            cache.add(scope, f"{n} {long_question}", vector, f"reame:answer:{scope_number}:{n}".encode())
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert cache._bytes <= semantic.MAX_INDEX_BYTES and held < semantic.MAX_INDEX_BYTES * 1.25
+    assert cache.find(scope, f"63 {long_question}", vector) is not None  # the newest scope is kept
+
+
 def entry(text: bytes = QUESTION.encode(), vector: bytes | None = None, key: bytes = b"reame:answer:ab") -> dict:
     packed = little_endian(unit_float32(vector_of(QUESTION))) if vector is None else vector
     return {b"q": text, b"v": packed, b"a": key}
