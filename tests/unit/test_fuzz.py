@@ -7,6 +7,7 @@ import os
 import socket
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -86,14 +87,18 @@ FIELDS = {
     "/v1/warm": ["prompt", "messages"],
     "/tokenize": ["content", "add_special"],
     "/detokenize": ["tokens"],
-    "/api/chat": ["messages", "model", "options", "format", "tools", "keep_alive"],
-    "/api/generate": ["prompt", "model", "system", "suffix", "raw", "options", "format"],
-    "/api/embed": ["input", "model"],
+    "/api/chat": ["messages", "model", "options", "format", "tools", "keep_alive", "think"],
+    "/api/generate": ["prompt", "model", "system", "suffix", "raw", "options", "format", "keep_alive"],
+    "/api/embed": ["input", "model", "keep_alive", "truncate"],
+    "/api/embeddings": ["prompt", "model", "keep_alive"],
+    "/api/show": ["model", "name", "verbose"],
+    "/api/pull": ["model", "stream", "insecure"],
     "/v1/messages": ["messages", "model", "max_tokens", "system", "stop_sequences", "tools", "tool_choice",
-                     "temperature", "top_k", "output_config"],
-    "/v1/messages/count_tokens": ["messages", "system", "tools"],
+                     "temperature", "top_k", "output_config", "metadata", "thinking"],
+    "/v1/messages/count_tokens": ["messages", "system", "tools", "model"],
     "/v1/responses": ["input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
-                      "previous_response_id", "store", "temperature", "parallel_tool_calls"],
+                      "previous_response_id", "store", "temperature", "parallel_tool_calls", "metadata", "user",
+                      "reasoning", "model"],
 }
 VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -102,7 +107,8 @@ VALID = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
          "/api/chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False,
                        "options": {"num_predict": 2}},
          "/api/generate": {"model": "m", "prompt": "hi", "stream": False, "options": {"num_predict": 2}},
-         "/api/embed": {"model": "m", "input": "hi"},
+         "/api/embed": {"model": "m", "input": "hi"}, "/api/embeddings": {"model": "m", "prompt": "hi"},
+         "/api/show": {"model": "m"}, "/api/pull": {"model": "m", "stream": False},
          "/v1/messages": {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
          "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
          "/v1/responses": {"model": "m", "input": "hi", "max_output_tokens": 2}}
@@ -122,13 +128,22 @@ def error_message(path: str, answer: dict) -> str:
 @FUZZ
 @given(path=st.sampled_from(sorted(FIELDS)), data=st.data())
 def test_type_confusion_in_any_field_is_a_400_naming_it_never_a_500(server, path, data):
+    """Every API family's fields (OpenAI's, Ollama's, Anthropic's, Responses, embeddings; model names and
+    keep_alive among them), each answered within a second and 16 MiB of the server's allocations."""
     field = data.draw(st.sampled_from(FIELDS[path]))
     body = dict(VALID[path], **{field: data.draw(JSON)})
     if field in ("n", "max_tokens", "max_completion_tokens", "max_output_tokens") and isinstance(body[field], int):
         assume(body[field] < 64)  # valid and huge: a long but correct generation, not what this test is about
     assume(not (field == "stream" and body[field] is True))  # valid: an SSE stream, answered as one elsewhere
+    tracemalloc.start()
+    started = time.perf_counter()
     status, answer = server.json("POST", path, body)
-    assert status in (200, 400, 404, 413), (status, answer)
+    seconds = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    allowed = (200, 400, 404, 413) + ((403,) if path == "/api/pull" else ())  # pulling is off here
+    assert status in allowed, (status, answer)
+    assert seconds < 1.0 and peak < 16 << 20, (path, field, seconds, peak)
     if status == 400:
         assert error_message(path, answer)
 
