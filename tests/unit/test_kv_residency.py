@@ -117,15 +117,22 @@ def test_a_restore_beside_a_running_sequence_touches_nothing_of_it():
         assert restores(engine) == {("snapshot", "restored"): 1} and backend.refused_restores == 0
 
 
-def test_a_restore_whose_cells_running_sequences_hold_is_prefilled_and_its_snapshot_kept():
+def pausing_at(tokens: int):
+    """(reached, gate, rule): the rule stops a runner at `tokens` tokens, inside a step, setting `reached`,
+    until `gate` is set (the revisit queued)."""
     reached, gate = threading.Event(), threading.Event()
-    short = document("sierra", 150)
 
-    def rule(history):  # the runner stops at 300 tokens, inside a step, until the revisit is queued
-        if len(history) >= 300 and not gate.is_set():
+    def rule(history):
+        if len(history) >= tokens and not gate.is_set():
             reached.set()
             gate.wait(5)
         return default_rule(history)
+    return reached, gate, rule
+
+
+def test_a_restore_whose_cells_running_sequences_hold_is_prefilled_and_its_snapshot_kept():
+    short = document("sierra", 150)
+    reached, gate, rule = pausing_at(300)
     backend = FakeBackend(n_ctx=400, n_seq_max=2, rule=rule)
     runner = GenerationRequest("go on: ", SamplingParams(temperature=0, ignore_eos=True))  # past its reservation
     cache = prefix_cache()
@@ -256,13 +263,7 @@ class WindowedBackend(FakeBackend):
 
 
 def test_with_a_sliding_window_a_state_refused_beside_a_running_sequence_is_prefilled_and_kept():
-    reached, gate = threading.Event(), threading.Event()
-
-    def rule(history):  # the runner waits at 70 tokens, inside a step, until the revisit is queued
-        if len(history) >= 70 and not gate.is_set():
-            reached.set()
-            gate.wait(5)
-        return default_rule(history)
+    reached, gate, rule = pausing_at(70)
     backend = WindowedBackend(n_ctx=480, n_seq_max=2, rule=rule)
     runner = GenerationRequest("count on: ", SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
     cache = prefix_cache()
