@@ -88,6 +88,23 @@ def test_another_keys_responses_are_not_found(engine):
         server.close()
 
 
+def test_one_key_storing_in_a_loop_keeps_another_keys_response(engine):
+    """Issue 49, finding 2 as sent: key A's cached store:true requests in a loop evicted key B's stored response
+    (its GET and previous_response_id then 404)."""
+    server = Live(engine, api_keys=("key-a", "key-b"))
+    server.app.conversations = Conversations(max_kept=20)
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    try:
+        _, kept = server.json("POST", "/v1/responses", ASK, b)
+        for n in range(60):
+            assert server.json("POST", "/v1/responses", dict(ASK, input=f"hello {n % 3}"), a)[0] == 200
+        assert server.json("GET", f"/v1/responses/{kept['id']}", headers=b)[0] == 200
+        status, _ = server.json("POST", "/v1/responses", dict(ASK, previous_response_id=kept["id"]), b)
+        assert status == 200
+    finally:
+        server.close()
+
+
 def test_stored_responses_are_bounded_in_number_size_and_time():
     kept = Conversations(keep_seconds=60, max_kept=2, max_bytes=100)
     for n in range(3):
