@@ -15,7 +15,8 @@ Code is run from the cache only if no one else could have written it: the tree
 and the native parts are extracted private (umask 077, whatever the user's),
 and before anything is imported from them, they, and every directory above
 them, must belong to this user (or root) and be writable by no one else (a
-sticky directory such as /tmp excepted). Otherwise Reame refuses to start and
+sticky directory such as /tmp excepted); what is below a directory no one else
+may enter is not walked. Otherwise Reame refuses to start and
 says which path and why: a .pyc planted by another local user would run as
 whoever runs Reame next.
 
@@ -52,6 +53,9 @@ def unsafe(path: str, below: bool) -> str:
     import stat
 
     owners = (os.geteuid(), 0)
+    top = os.lstat(path)
+    if below and stat.S_ISDIR(top.st_mode) and top.st_uid in owners and not top.st_mode & 0o077:
+        return ""  # no one else may even enter it (as this version extracts it): nothing below to check
     entries = [path]
     if below:
         entries += [os.path.join(root, name) for root, dirs, files in os.walk(path) for name in dirs + files]

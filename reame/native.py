@@ -190,7 +190,7 @@ def extract_natives(archive: Path, target: Path) -> None:
                     with bundle.open(member) as source, destination.open("wb") as out:
                         shutil.copyfileobj(source, out)
                     destination.chmod(0o755 if destination.suffix == ".so" or ".so." in destination.name else 0o644)
-            staging.chmod(0o755)
+            staging.chmod(0o700)  # no one else enters it: the .pyz then need not check what is inside
             os.rename(staging, target)
         except OSError:
             if not (target / "lib").exists():

@@ -231,12 +231,22 @@ def test_code_another_user_could_write_is_refused_before_anything_is_imported(py
     lib = tmp_path / "home" / ".cache" / "reame" / "lib"
     (tree,) = lib.glob("*-python" if where == "python" else f"*-{machine()}")
     planted = next(path for path in tree.rglob("*.pyc" if where == "python" else "*.so*"))
-    for attack, undo in ((lambda: planted.chmod(0o666), lambda: planted.chmod(0o600)),
-                         (lambda: os.chown(planted, 65534, 65534), lambda: os.chown(planted, 0, 0)),
+    assert tree.stat().st_mode & 0o777 == 0o700  # as extracted: no one else may enter it
+
+    def opened_up() -> None:  # as an older version left it: others may enter, and one file is theirs to write
+        tree.chmod(0o755)
+        planted.chmod(0o666)
+
+    def closed_again() -> None:
+        planted.chmod(0o600)
+        tree.chmod(0o700)
+    for attack, undo in ((opened_up, closed_again),
+                         (lambda: os.chown(tree, 65534, 65534), lambda: os.chown(tree, 0, 0)),
                          (lambda: lib.chmod(0o777), lambda: lib.chmod(0o700))):
         attack()
         refused = run_isolated(sys.executable, pyz, tmp_path, "--version")
         assert refused.returncode == 1 and "refusing to run code" in refused.stderr, refused.stderr
         assert str(lib) in refused.stderr and refused.stdout == ""
         undo()
+    tree.chmod(0o755)  # entered by others, but nothing in it theirs to write: checked file by file, and run
     assert run_isolated(sys.executable, pyz, tmp_path, "--version").returncode == 0
