@@ -107,6 +107,7 @@ class Streamed:
     tokens: int  # usage.completion_tokens (the request must ask for include_usage)
     first: float  # perf_counter() when the first text arrived
     last: float  # … and the last
+    error: str = ""  # an error event the server sent in the stream, if any
 
     @property
     def decode_speed(self) -> float:
@@ -118,12 +119,14 @@ def read_stream(lines: Iterable[bytes]) -> Streamed:
     """Read a completions or chat completions SSE stream to its end."""
     pieces: list[str] = []
     first = last = 0.0
-    tokens = 0
+    tokens, error = 0, ""
     for raw in lines:
         line = raw.strip()
         if not line.startswith(b"data: {"):
             continue
         chunk = json.loads(line[6:])
+        if chunk.get("error"):
+            error = str(chunk["error"])[:200]
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         choice = chunk["choices"][0] if chunk.get("choices") else {}
@@ -132,7 +135,7 @@ def read_stream(lines: Iterable[bytes]) -> Streamed:
             pieces.append(piece)
             last = time.perf_counter()
             first = first or last
-    return Streamed("".join(pieces), tokens, first, last)
+    return Streamed("".join(pieces), tokens, first, last, error)
 
 
 def speculation_counts(port: int, source: str) -> dict[str, float]:

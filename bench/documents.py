@@ -53,7 +53,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, machine, model_path, print_table, server_command
+from common import ROOT, machine, model_path, print_table, read_stream, server_command
 from redis_servers import redis_server
 from server import free_port, wait_ready
 
@@ -113,20 +113,10 @@ def ask(port: int, document: str, question: str, tokens: int) -> tuple[float, st
     response = connection.getresponse()
     if response.status != 200:
         return 0.0, "", f"HTTP {response.status}: {response.read()[:200].decode(errors='replace')}"
-    first, pieces, error = 0.0, [], ""
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data: {"):
-            continue
-        event = json.loads(line[6:])
-        if event.get("error"):
-            error = str(event["error"])[:200]
-        piece = ((event.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
-        if piece and not first:
-            first = time.perf_counter() - started
-        pieces.append(piece)
+    answer = read_stream(response)
     connection.close()
-    return first, "".join(pieces), error or ("" if first else "no text")
+    first = answer.first - started if answer.first else 0.0
+    return first, answer.text, answer.error or ("" if first else "no text")
 
 
 def run_job(port: int, texts: list[str], order: list[tuple[int, int]], clients: int, tokens: int) -> tuple[
@@ -407,6 +397,8 @@ def main() -> None:
     print()
     for label in LLAMA_SERVERS:
         llama = next(run for run in runs if run.label == label and run.clients == clients[0])
+        if not (reame.ttfts(False) and llama.ttfts(False)):
+            continue  # a job without revisits (one question per document, one round)
         print(f"revisit TTFT, Reame ÷ {label} ({clients[0]} client): "
               f"{statistics.median(reame.ttfts(False)) / statistics.median(llama.ttfts(False)):.3f}")
     for label in ("Reame after a restart", "Reame, second node"):

@@ -193,8 +193,7 @@ class SemanticIndex:
         entry = self._scopes.get(scope)
         if entry is None:
             entry = self._scopes[scope] = Scope()
-            while len(self._scopes) > MAX_SCOPES:
-                self._bytes -= self._scopes.popitem(last=False)[1].size
+            self._trim()
         self._scopes.move_to_end(scope)
         return entry
 
@@ -204,9 +203,14 @@ class SemanticIndex:
         entry = self._scope(scope)
         for question in questions:
             self._bytes += entry.keep(question)
-        while self._bytes > MAX_INDEX_BYTES and len(self._scopes) > 1:
-            self._bytes -= self._scopes.popitem(last=False)[1].size
+        self._trim()
         return entry
+
+    def _trim(self) -> None:
+        """The least recently used scopes go while there are more than MAX_SCOPES or they take more than
+        MAX_INDEX_BYTES (the most recent one stays, whatever its size). Lock held."""
+        while len(self._scopes) > MAX_SCOPES or (self._bytes > MAX_INDEX_BYTES and len(self._scopes) > 1):
+            self._bytes -= self._scopes.popitem(last=False)[1].size
 
     def _read_store(self, scope: bytes, dimensions: int) -> None:
         """Take in what the store's stream of `scope` gained since it was last read (other nodes' questions)."""

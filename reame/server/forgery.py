@@ -17,7 +17,7 @@ from email.message import Message
 from reame.server.http import HttpError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-JSON_TYPES = frozenset({"application/json"})
+JSON_TYPE = "application/json"
 
 
 def host_name(value: str) -> str:
@@ -64,7 +64,7 @@ def forged(method: str, headers: Message, has_body: bool, hosts: frozenset[str] 
         return HttpError(403, f"a request from the web page at {origin[:100]!r} is refused: only this server's "
                          "own page, or server.cors_origin, may call it", code="origin_not_allowed")
     media_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-    if has_body and method != "GET" and media_type not in JSON_TYPES:
+    if has_body and method != "GET" and media_type != JSON_TYPE:
         return HttpError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
                          f"{media_type[:100]!r}; curl: -H 'Content-Type: application/json')",
                          code="unsupported_media_type")

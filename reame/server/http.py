@@ -49,11 +49,11 @@ MAX_TRAILER_LINES = 64
 DIGITS = re.compile(r"[0-9]+")
 HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]+")
 OWS = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
-UNLIMITED_ROUTES = ("/health",)
+UNLIMITED_ROUTES = ("/health",)  # answered even when every request slot is taken: what a monitor asks
 # Objects and arrays a request body may hold: every route's request is far smaller (a prompt fits a context),
 # and each parsed empty object costs ~80 bytes of RAM that Python does not give back at once (a 3 MiB body of
 # 2^20 of them added ~100 MiB to the server's RSS).
-MAX_JSON_CONTAINERS = 100_000  # answered even when every request slot is taken: what a monitor asks
+MAX_JSON_CONTAINERS = 100_000
 
 
 @dataclass(frozen=True)

@@ -126,16 +126,15 @@ class Service:
         left meanwhile (its connection is then closed). 400/429 when refused, 500 when the model failed."""
         engine = loaded(model)
         job = self.submit_checked(lambda: engine.embed(inputs))
-        while not job.done.wait(POLL_S):
-            try:
+        try:
+            while not job.done.wait(POLL_S):
                 self.models.check(model)
-            except EngineUnavailable:
-                job.cancel()
-                raise
-            if handler.client_gone():
-                job.cancel()  # no one wants the rest: the engine drops it before its next batch
-                handler.close_connection = True
-                return None
+                if handler.client_gone():
+                    handler.close_connection = True
+                    return None
+        finally:
+            if not job.done.is_set():
+                job.cancel()  # no one waits for the rest: the engine drops it before its next batch
         try:
             return job.result(0)
         except ModelError as error:

@@ -196,7 +196,10 @@ def completion_prompts(prompt: Any) -> list[Any]:
     return prompts
 
 
-MAX_EMBEDDING_INPUTS = MAX_INPUTS  # OpenAI's limit per request, checked here before anything is tokenized
+def embedding_count(count: int) -> None:
+    """The engine's bound on a request's embedding inputs (OpenAI's), checked before anything is tokenized."""
+    if count > MAX_INPUTS:
+        raise HttpError(400, f"at most {MAX_INPUTS} inputs per request", param="input", code="invalid_value")
 
 
 def embedding_inputs(value: Any) -> list[str | list[int]]:
@@ -214,8 +217,7 @@ def embedding_inputs(value: Any) -> list[str | list[int]]:
         raise HttpError(400, "'input' must be a string, an array of strings, an array of token ids or an array of "
                         f"token-id arrays, none of them empty; got {_describe(value)}", param="input",
                         code="invalid_type")
-    if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise HttpError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", param="input", code="invalid_value")
+    embedding_count(len(inputs))
     if any(item == "" for item in inputs):
         raise HttpError(400, "'input' must not hold an empty string", param="input", code="invalid_value")
     return inputs

@@ -33,7 +33,7 @@ from reame.server.semantic import chat_question
 from reame.server.generation import shape
 from reame.server.models import FOREVER, ServedModel
 from reame.server.service import Service, failure, loaded
-from reame.server.validation import MAX_EMBEDDING_INPUTS, Fields, chat_messages, sampling_params
+from reame.server.validation import Fields, chat_messages, embedding_count, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
 from reame.structured.tools import ToolCall, tool_request
@@ -360,8 +360,7 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
         raise HttpError(400, "prompt must be a string" if older else "input must be a string or an array of "
                         "strings", param="prompt" if older else "input")
-    if len(texts) > MAX_EMBEDDING_INPUTS:  # before tokenizing: 10 MB of one-letter inputs is millions
-        raise HttpError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", param="input")
+    embedding_count(len(texts))  # before tokenizing: 10 MB of one-letter inputs is millions
     served, waited = held(app, handler, name, keep_alive)
     backend = loaded(served).backend
     tokens = [backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
