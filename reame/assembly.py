@@ -7,8 +7,10 @@ arguments and prints, and each part only takes what it needs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -17,10 +19,13 @@ from reame.answers import AnswerCache, SharedAnswers
 from reame.cache import PrefixCache
 from reame.cache.answers import AnswerTier, DiskAnswers, RamAnswers
 from reame.engine import Engine
+from reame.ctypes_llama._lib import loaded_libraries
 from reame.model.backend import ModelSettings
+from reame.model.batch_numerics import exact_batch_rows
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError, ModelFileError, ReameError
+from reame.native import cpu_identity
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -117,7 +122,28 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
             for source in sources:
                 source.close()
             raise
-    return Speculation(*sources, max_draft=options.max_draft_tokens) if sources else None
+    if not sources:
+        return None
+    return Speculation(*sources, max_draft=options.max_draft_tokens,
+                       measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + 1))
+
+
+def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
+    """Measures the batch sizes (up to `limit` rows) that decode each row exactly as a one-row step
+    (model/batch_numerics.py): once per model content, llama.cpp build, CPU, thread count and KV settings,
+    then remembered, so a start costs a file read. Call the result on the engine thread."""
+    settings, libraries = backend.settings, loaded_libraries()
+    cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
+    fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
+                     settings.flash_attn, libraries.lib_dir.name if libraries is not None else "", cpu))
+
+    def parse(text: str) -> int:
+        rows = int(text)
+        if not 1 <= rows <= limit:
+            raise ValueError(f"{rows} rows is outside 1..{limit}")
+        return rows
+
+    return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit)), parse)
 
 
 def digest_bytes(text: str) -> bytes:

@@ -85,6 +85,11 @@ class Running:
         self.leader: Running | None = None  # set while this one waits on another's prefill (Phase.FOLLOWING)
 
     @property
+    def reproducible(self) -> bool:
+        """Its answer must not depend on how its steps were batched (greedy, or seeded by the caller)."""
+        return self.handle.request.params.reproducible
+
+    @property
     def seq_id(self) -> int:
         return self.slot.seq_id
 

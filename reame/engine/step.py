@@ -46,18 +46,24 @@ class StepPlan:
 
     decodes: tuple[Decode, ...] = ()
     chunks: tuple[PromptChunk, ...] = ()
+    draft_rows: int | None = None  # the most draft tokens the whole step may carry (None: the batch's room)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)
 
 
 def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
-              drafts_allowed: bool) -> StepPlan:
+              drafts_allowed: bool, exact_rows: int | None = None) -> StepPlan:
     """The next decode's rows: each generating sequence's next token (with room for drafts once it has two
     tokens out: drafting right after the first would keep the engine thread on the GIL while that token's
     handler waits to send it), then prompts, at most `prefill_chunk_tokens` per step while sequences
     decode, so a long newcomer delays running streams by one chunk, never by its whole prompt. With no
-    stream to protect, a prompt takes the whole batch."""
+    stream to protect, a prompt takes the whole batch.
+
+    `exact_rows`: the most rows a step may carry and still decode each row exactly as a one-row step does.
+    Beside a greedy or seeded sequence, drafts keep the whole step within it, so that sequence's answer is
+    the one it would have been without them; where the step is bigger anyway (several streams, a prompt
+    chunk), such a sequence drafts nothing and decodes exactly as it would without speculation."""
     decodes = tuple(Decode(sequence, _draft_room(sequence, n_ctx_seq) if drafts_allowed else 0)
                     for sequence in running if sequence.phase is Phase.GENERATING)
     budget = n_batch - len(decodes)
@@ -75,7 +81,14 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
         take = min(budget, end - sequence.n_fed)
         chunks.append(PromptChunk(sequence, sequence.n_fed, take))
         budget -= take
-    return StepPlan(decodes, tuple(chunks))
+    draft_rows = None
+    if exact_rows is not None and any(decode.draft_room and decode.running.reproducible for decode in decodes):
+        if chunks or len(decodes) > exact_rows:
+            decodes = tuple(Decode(decode.running, 0) if decode.running.reproducible else decode
+                            for decode in decodes)
+        else:
+            draft_rows = exact_rows - len(decodes)
+    return StepPlan(decodes, tuple(chunks), draft_rows)
 
 
 def _draft_room(sequence: Running, n_ctx_seq: int) -> int:
@@ -167,8 +180,10 @@ class Stepper:
         self.drafts_paused = False  # one step without drafts after the KV ran full with them
 
     def plan(self) -> StepPlan:
+        speculation = self.speculation
         return plan_step(self.sequences.running, self.backend.n_batch, self.backend.n_ctx_seq,
-                         self.prefill_chunk_tokens, self.speculation is not None and not self.drafts_paused)
+                         self.prefill_chunk_tokens, speculation is not None and not self.drafts_paused,
+                         None if speculation is None else speculation.exact_rows)
 
     def step(self) -> None:
         """Plan, execute, apply one decode (nothing when no sequence has a row to feed)."""
@@ -182,7 +197,8 @@ class Stepper:
         batch, outcome = Batch(), StepOutcome()
         for decode in plan.decodes:
             running = decode.running
-            drafting, drafts = self._drafts(decode, len(plan.decodes) + outcome.drafted, len(plan.decodes))
+            drafting, drafts = self._drafts(decode, len(plan.decodes) + outcome.drafted, len(plan.decodes),
+                                            None if plan.draft_rows is None else plan.draft_rows - outcome.drafted)
             outcome.drafted += len(drafts)
             assert running.next_token is not None
             outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, decoding=True))
@@ -226,10 +242,14 @@ class Stepper:
                 kv.remove(draw.running.seq_id, draw.running.n_fed + 1 + draw.accepted)
         return outcome
 
-    def _drafts(self, decode: Decode, batch_tokens: int, sequences: int) -> tuple[Drafting | None, list[int]]:
+    def _drafts(self, decode: Decode, batch_tokens: int, sequences: int,
+                step_room: int | None) -> tuple[Drafting | None, list[int]]:
         """Tokens to verify after the sequence's next one, and their source: as many as its controller finds
-        worth it, within the plan's room for them and the batch's."""
+        worth it, within the plan's room for them (the sequence's, and `step_room` left in the step's) and
+        the batch's."""
         room = min(decode.draft_room, self.backend.n_batch - batch_tokens - 1)
+        if step_room is not None:
+            room = min(room, step_room)
         if room <= 0:
             return None, []
         assert self.speculation is not None

@@ -85,6 +85,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def reproducible(self) -> bool:
+        """The same request gives the same answer: greedy, or sampled from a seed the caller chose."""
+        return self.greedy or self.seed is not None
+
+    @property
     def penalised(self) -> bool:
         return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0) and self.repeat_last_n != 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,13 +71,22 @@ class _SourceRecord:
 
 
 class Speculation:
-    """Engine-wide speculation settings and state. Owns its sources (closed with it)."""
+    """Engine-wide speculation settings and state. Owns its sources (closed with it).
 
-    def __init__(self, *sources: DraftSource, max_draft: int = 8, cost: CostModel | None = None) -> None:
+    `exact_rows`: the most rows a step may carry and still compute each row exactly as a one-row decode
+    (model/batch_numerics.py), so that drafts leave a greedy or seeded answer byte for byte unchanged.
+    `measure_exact_rows` measures it at warm-up on the engine thread; without it (a backend whose
+    numerics never depend on the batch) every size is exact (None).
+    """
+
+    def __init__(self, *sources: DraftSource, max_draft: int = 8, cost: CostModel | None = None,
+                 measure_exact_rows: Callable[[], int] | None = None) -> None:
         if not sources:
             raise ValueError("speculation needs at least one draft source")
         self.sources = sources
         self.max_draft = max_draft
+        self._measure_exact_rows = measure_exact_rows
+        self.exact_rows: int | None = 1 if measure_exact_rows is not None else None
         self.cost = cost if cost is not None else CostModel()
         self.stats = SpeculationStats(max_draft)
         self._records = {source.name: _SourceRecord() for source in sources}
@@ -151,8 +160,14 @@ class Speculation:
             return {name: record.seconds_per_draft for name, record in self._records.items()}
 
     def warm_up(self) -> None:
+        """On the engine thread, before the first request: the sources' one-time costs, and the batch
+        sizes this machine computes exactly (until measured, or if measuring fails, a greedy or seeded
+        sequence drafts nothing)."""
         for source in self.sources:
             source.warm_up()
+        if self._measure_exact_rows is not None:
+            self.exact_rows = max(1, self._measure_exact_rows())
+            log.info("batches of up to %d rows decode each row exactly as one row alone", self.exact_rows)
 
     def close(self) -> None:
         for source in self.sources:

@@ -105,6 +105,19 @@ def gated_rule(gate: "threading.Event", token: int = ord("a"), wait_s: float = 5
     return rule
 
 
+BATCH_NOISE = 0.05
+
+
+def _batch_noise(logits: list[float]) -> None:
+    """What a batched kernel's rounding does: every logit moves a little, and at a near tie the two best
+    tokens trade places."""
+    first, second = sorted(range(len(logits)), key=logits.__getitem__, reverse=True)[:2]
+    if logits[first] - logits[second] < BATCH_NOISE:
+        logits[first], logits[second] = logits[second], logits[first]
+    for index, value in enumerate(logits):
+        logits[index] = value + BATCH_NOISE / 64
+
+
 class FakeSampler:
     """A sampler chain interpreted in Python, with the same steps as llama's."""
 
@@ -231,6 +244,9 @@ class FakeBackend:
         self.eos_token = EOS
         self.add_bos = True
         self.rule = rule
+        # As llama.cpp's tiled CPU kernels do (model/batch_numerics.py): in a decode of more rows than this,
+        # each output row's two best logits trade places when they are within BATCH_NOISE. None: exact.
+        self.exact_rows: int | None = None
         self.n_embd = EMBEDDING_SIZE
         self.embedding_context_tokens = n_ctx
         self.embedding_batch = 4
@@ -344,6 +360,8 @@ class FakeBackend:
             staged_cells.setdefault(seq, []).append(next(self._new_cells))
             if outputs[i]:
                 results[i] = list(self.rule(cells))
+                if self.exact_rows is not None and n > self.exact_rows:
+                    _batch_noise(results[i])
         self._kv, self._cells = staged, staged_cells
         self._outputs = results
         self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))

@@ -1,5 +1,6 @@
 """Speculative decoding on the real model: the same greedy answer, with drafts accepted."""
 
+from reame.assembly import exact_rows_probe
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.model.llama import LlamaBackend
 from reame.speculative import CostModel, PromptLookup, Speculation
@@ -112,3 +113,26 @@ def test_the_palimpsest_drafts_a_repeated_answer_after_a_restart_and_changes_not
     assert plain.tokens == first.tokens == again.tokens
     assert again.finish.usage.accepted_draft_tokens >= len(again.tokens) * 0.8
     assert list(tmp_path.glob("*.palimpsest"))
+
+
+STORY = "Write a short story about a lighthouse keeper who finds a cat. " * 2
+
+
+def test_greedy_answers_stay_identical_on_a_model_whose_batched_kernels_round_differently(native_libraries,
+                                                                                        model_path):
+    """Qwen2.5-Coder-0.5B Q4_K_M: on x86 its repacked Q4_K rows differ from one-row decode in batches of 4 or
+    more, and verifying the story's drafts in such batches changed its answer here. Measured and kept within
+    the exact size, drafts change nothing."""
+    path = model_path("qwen2.5-coder-0.5b")
+    prompts = (REWRITE, STORY)
+    plain = answer(path, None, prompts=prompts[:1]) + answer(path, None, prompts=prompts[1:])
+    speculations = []
+
+    def measured(backend):
+        speculations.append(Speculation(PromptLookup(), max_draft=8, cost=FreeDrafts(),
+                                        measure_exact_rows=exact_rows_probe(backend, 9)))
+        return speculations[-1]
+    fast = answer(path, measured, prompts=prompts[:1]) + answer(path, measured, prompts=prompts[1:])
+    assert [r.text for r in fast] == [r.text for r in plain]
+    assert all(r.finish.usage.accepted_draft_tokens > 5 for r in fast)
+    assert all(1 <= s.exact_rows <= 9 for s in speculations)

@@ -16,8 +16,9 @@ reame.catalog reame.chat reame.cli reame.conclave reame.config reame.ctypes_llam
 reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission reame.engine.embeddings
 reame.engine.kv reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences
 reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
-reame.model.backend reame.model.chat_template reame.model.embedding reame.model.fingerprint reame.model.library
-reame.model.llama reame.model.sampler_chain reame.model.sampling reame.native reame.quantize reame.settings
+reame.model.backend reame.model.batch_numerics reame.model.chat_template reame.model.embedding
+reame.model.fingerprint reame.model.library reame.model.llama reame.model.sampler_chain reame.model.sampling
+reame.native reame.quantize reame.settings
 reame.speculative reame.speculative.archive reame.speculative.controller reame.speculative.draft_model
 reame.speculative.lookup reame.speculative.palimpsest reame.speculative.source reame.speculative.speculation
 reame.speculative.suggeritore reame.structured reame.structured.gbnf reame.structured.grammar

@@ -1,0 +1,75 @@
+"""Which batch sizes compute each row exactly as a one-row decode does, measured on this machine.
+
+Speculative decoding verifies a sequence's next token and its drafts as one batch of rows. llama.cpp's CPU
+kernels do not compute a row the same way at every batch size: at the pin (0c1e57098,
+ggml-cpu/repack.cpp) a repacked Q4_K/Q4_0/IQ4_NL weight multiplies the first 4*floor(n/4) rows of a batch
+with a tiled matrix-matrix kernel and only the rest with the one-row kernel, so on a Q4_K_M model a row in
+a batch of 4 or more rows gets logits ~0.4 apart from the one-row decode's, and where the two best tokens
+are nearly tied the greedy pick flips (bench/batch_numerics.py). Other files have no such kernel (SmolLM2's
+Q4_1 rows are bit-identical at 1-16 rows). Which is the case depends on the weights' types, the CPU's
+instruction set and the build, so it is measured rather than derived: `exact_batch_rows` feeds the same
+tokens one row at a time and then as batches of 2, 3, ... rows, and compares every row's logits bit for bit.
+
+A step whose rows all stay within that size decodes every row exactly as the one-row steps of a
+non-speculating answer would, which is what keeps a greedy (or seeded) answer byte-identical with
+speculation on (engine/step.py, `plan_step`).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from reame.model.backend import DECODE_OK, Backend
+
+PROBE_TEXT = ("The ship's log, written in a hurried hand: wind from the north-east, 14 knots; "
+              "the crew of 23 sighted land at 06:40 and anchored off the second headland.")
+PROBE_PROMPT_TOKENS = 8
+FIRST_STAGE_ROWS = 4  # the tiled kernels' row group: most files that differ at all differ here
+MAX_PROBED_ROWS = 33  # a bound on the probe's cost: larger draft batches are not assumed exact
+
+
+def exact_batch_rows(backend: Backend, limit: int, seq_id: int = 0) -> int:
+    """The largest n <= `limit` such that batches of 1..n rows give every row the logits a one-row decode
+    gives it, bit for bit. Uses `seq_id`'s KV (it must be empty, and is left empty) on the calling thread,
+    which must be the thread that decodes (ggml's thread team belongs to it)."""
+    limit = max(1, min(limit, MAX_PROBED_ROWS, backend.n_batch, backend.n_ctx_seq - PROBE_PROMPT_TOKENS))
+    tokens = backend.tokenize(PROBE_TEXT, add_special=False, parse_special=False)
+    needed = PROBE_PROMPT_TOKENS + limit
+    tokens = (tokens * (needed // max(len(tokens), 1) + 1))[:needed]
+    prompt, forced = tokens[:PROBE_PROMPT_TOKENS], tokens[PROBE_PROMPT_TOKENS:]
+    try:
+        _decode(backend, prompt, 0, seq_id, outputs=False)
+        tested = 1
+        for stage_end in sorted({min(FIRST_STAGE_ROWS, limit), limit}):
+            reference = _one_row_logits(backend, forced[:stage_end], seq_id)
+            for rows in range(tested + 1, stage_end + 1):
+                backend.seq_rm(seq_id, PROBE_PROMPT_TOKENS, -1)
+                _decode(backend, forced[:rows], PROBE_PROMPT_TOKENS, seq_id, outputs=True)
+                if any(_row_bytes(backend, row) != reference[row] for row in range(rows)):
+                    return rows - 1
+                tested = rows
+        return limit
+    finally:
+        backend.seq_rm(seq_id)
+
+
+def _one_row_logits(backend: Backend, tokens: list[int], seq_id: int) -> list[bytes]:
+    """Each token's logits, fed one decode per token after the probe's prompt."""
+    backend.seq_rm(seq_id, PROBE_PROMPT_TOKENS, -1)
+    rows = []
+    for offset, token in enumerate(tokens):
+        _decode(backend, [token], PROBE_PROMPT_TOKENS + offset, seq_id, outputs=True)
+        rows.append(_row_bytes(backend, 0))
+    return rows
+
+
+def _decode(backend: Backend, tokens: list[int], start: int, seq_id: int, outputs: bool) -> None:
+    n = len(tokens)
+    status = backend.decode(tokens, list(range(start, start + n)), [seq_id] * n,
+                            [outputs] * n if outputs else [False] * (n - 1) + [True])
+    if status != DECODE_OK:
+        raise RuntimeError(f"the batch-numerics probe could not decode (status {status})")
+
+
+def _row_bytes(backend: Backend, row: int) -> bytes:
+    return array("f", backend.logits(row)).tobytes()
