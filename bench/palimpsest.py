@@ -72,21 +72,30 @@ BASE = "reame, Palimpsest off"
 
 def chat(port: int, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
     """(wall seconds, decode tok/s, tokens, text) of one streamed greedy chat answer."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    return send_chat(port, {"messages": [{"role": "user", "content": prompt}]}, max_tokens)
+
+
+def send_chat(port: int, body: dict, max_tokens: int) -> tuple[float, float, int, str]:
+    """`body` (messages and any other fields) sent as a streamed greedy chat request of at most `max_tokens`:
+    (wall seconds, decode tok/s, tokens, text)."""
+    body = dict(body, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     sent = time.perf_counter()
-    connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json"})
     answer = read_stream(connection.getresponse())
     connection.close()
     return answer.last - sent, answer.decode_speed, answer.tokens, answer.text
 
 
-def servers(path: str, threads: int, archive: str) -> ServerGroup:
-    """The five servers; Reame's archive outlives their restarts."""
+def servers(path: str, threads: int, archive: str,
+            kinds: dict[str, dict[str, str] | list[str]] | None = None) -> ServerGroup:
+    """The servers of `kinds` (name: a Reame's environment, or llama-server's extra flags; the five above by
+    default); Reame's archive outlives their restarts."""
+    kinds = SERVERS if kinds is None else kinds
+
     def launch(name: str) -> Callable[[int], tuple[list[str], dict[str, str]]]:
-        settings = SERVERS[name]
+        settings = kinds[name]
 
         def how(port: int) -> tuple[list[str], dict[str, str]]:
             command = server_command("llama-server" if isinstance(settings, list) else "reame", path, port,
@@ -98,7 +107,7 @@ def servers(path: str, threads: int, archive: str) -> ServerGroup:
                 command += settings
             return command, env
         return how
-    return ServerGroup({name: launch(name) for name in SERVERS})
+    return ServerGroup({name: launch(name) for name in kinds})
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from reame.model.batch_numerics import exact_batch_rows
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.errors import ConfigError, ModelFileError, ReameError
-from reame.native import cpu_identity
+from reame.native import NativeLibraries, cpu_identity
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -125,7 +125,8 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
     if not sources:
         return None
     return Speculation(*sources, max_draft=options.max_draft_tokens,
-                       measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + 1))
+                       measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + 1)
+                       if options.exact else None)
 
 
 def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
@@ -135,7 +136,7 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
     settings, libraries = backend.settings, loaded_libraries()
     cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
     fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
-                     settings.flash_attn, libraries.lib_dir.name if libraries is not None else "", cpu))
+                     settings.flash_attn, _build_name(libraries), cpu))
 
     def parse(text: str) -> int:
         rows = int(text)
@@ -144,6 +145,11 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
         return rows
 
     return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit)), parse)
+
+
+def _build_name(libraries: NativeLibraries | None) -> str:
+    """Which llama.cpp build is loaded: its directory (a build key, or a .pyz's hash and machine)."""
+    return "" if libraries is None else f"{libraries.lib_dir.parent.name}/{libraries.lib_dir.name}"
 
 
 def digest_bytes(text: str) -> bytes:

@@ -179,6 +179,9 @@ KEYS: tuple[Key, ...] = (
     Key("speculative.draft_min_probability", "float", 0.75,
         "the draft model stops at a token it gives less than this probability", minimum=0, maximum=1),
     Key("speculative.max_draft_tokens", "int", 16, "most tokens drafted per step", minimum=1),
+    Key("speculative.exact", "bool", True,
+        "a greedy or seeded answer is byte-identical with speculation on or off: its drafts are verified only "
+        "in batches this machine computes exactly as one row (measured once); false = drafts at any size"),
     Key("speculative.lookup_max_ngram", "int", 3, "longest n-gram prompt lookup matches", minimum=1),
     Key("speculative.lookup_min_ngram", "int", 2, "shortest n-gram prompt lookup matches", minimum=1),
     Key("generation.max_tokens", "int", 512, "default most tokens to generate", minimum=1),

@@ -126,6 +126,7 @@ class SpeculativeOptions:
     draft_model: str
     draft_min_probability: float
     max_draft_tokens: int
+    exact: bool
     lookup_max_ngram: int
     lookup_min_ngram: int
 
@@ -224,7 +225,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             palimpsest_budget_bytes=int(get("speculative.palimpsest_mb") * 2**20),
             draft_model=get("speculative.draft_model"),
             draft_min_probability=get("speculative.draft_min_probability"),
-            max_draft_tokens=get("speculative.max_draft_tokens"),
+            max_draft_tokens=get("speculative.max_draft_tokens"), exact=get("speculative.exact"),
             lookup_max_ngram=get("speculative.lookup_max_ngram"), lookup_min_ngram=get("speculative.lookup_min_ngram")),
         embeddings=EmbeddingOptions(get("embeddings.context_length"), get("embeddings.pooling")),
         arca=ArcaOptions(get("arca.host"), get("arca.port"),

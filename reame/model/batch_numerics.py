@@ -10,6 +10,16 @@ Q4_1 rows are bit-identical at 1-16 rows). Which is the case depends on the weig
 instruction set and the build, so it is measured rather than derived: `exact_batch_rows` feeds the same
 tokens one row at a time and then as batches of 2, 3, ... rows, and compares every row's logits bit for bit.
 
+Attention differs too. At the pin, CPU flash attention over an f16 (or f32) KV computes a lone query row
+with a split-KV path (ggml-cpu/ops.cpp, `use_split_kv_path`: one row, a KV view of 512 cells or more, i.e.
+more than 256 cells in use): each thread folds its share of the cells and the shares are merged, while
+any batch of 2 or more rows folds all cells in order. So past 256 cells no batch of 2 rows or more
+matches a one-row step on such a KV, whatever the weights: SmolLM2-135M's rows are bit-identical at 1-17
+rows with 8 cells in use and at no size past 256. A q8_0 KV has no split path (every size up to 17 is
+exact on SmolLM2 there). The probe therefore measures twice, with a prefix past 256 cells (when the
+context has room for it) and with a short one, and the smaller answer holds: the engine cannot see where
+llama.cpp placed the cells, and other sequences' cells count towards the view.
+
 A step whose rows all stay within that size decodes every row exactly as the one-row steps of a
 non-speculating answer would, which is what keeps a greedy (or seeded) answer byte-identical with
 speculation on (engine/step.py, `plan_step`).
@@ -23,42 +33,56 @@ from reame.model.backend import DECODE_OK, Backend
 
 PROBE_TEXT = ("The ship's log, written in a hurried hand: wind from the north-east, 14 knots; "
               "the crew of 23 sighted land at 06:40 and anchored off the second headland.")
-PROBE_PROMPT_TOKENS = 8
+SHORT_PREFIX = 8
+LONG_PREFIX = 300  # past 256 cells: the KV view is 512 cells, where a lone row takes the split-KV path
 FIRST_STAGE_ROWS = 4  # the tiled kernels' row group: most files that differ at all differ here
 MAX_PROBED_ROWS = 33  # a bound on the probe's cost: larger draft batches are not assumed exact
 
 
 def exact_batch_rows(backend: Backend, limit: int, seq_id: int = 0) -> int:
     """The largest n <= `limit` such that batches of 1..n rows give every row the logits a one-row decode
-    gives it, bit for bit. Uses `seq_id`'s KV (it must be empty, and is left empty) on the calling thread,
-    which must be the thread that decodes (ggml's thread team belongs to it)."""
-    limit = max(1, min(limit, MAX_PROBED_ROWS, backend.n_batch, backend.n_ctx_seq - PROBE_PROMPT_TOKENS))
+    gives it, bit for bit, after a short prefix and after one past 256 cells. Uses `seq_id`'s KV (it must
+    be empty, and is left empty) on the calling thread, which must be the thread that decodes (ggml's
+    thread team belongs to it)."""
+    limit = max(1, min(limit, MAX_PROBED_ROWS, backend.n_batch))
+    # The long prefix first: where the split-KV path makes every batch inexact, the short probe is then free.
+    prefixes = [prefix for prefix in (LONG_PREFIX, SHORT_PREFIX) if prefix + limit <= backend.n_ctx_seq]
     tokens = backend.tokenize(PROBE_TEXT, add_special=False, parse_special=False)
-    needed = PROBE_PROMPT_TOKENS + limit
+    needed = LONG_PREFIX + limit
     tokens = (tokens * (needed // max(len(tokens), 1) + 1))[:needed]
-    prompt, forced = tokens[:PROBE_PROMPT_TOKENS], tokens[PROBE_PROMPT_TOKENS:]
     try:
-        _decode(backend, prompt, 0, seq_id, outputs=False)
-        tested = 1
-        for stage_end in sorted({min(FIRST_STAGE_ROWS, limit), limit}):
-            reference = _one_row_logits(backend, forced[:stage_end], seq_id)
-            for rows in range(tested + 1, stage_end + 1):
-                backend.seq_rm(seq_id, PROBE_PROMPT_TOKENS, -1)
-                _decode(backend, forced[:rows], PROBE_PROMPT_TOKENS, seq_id, outputs=True)
-                if any(_row_bytes(backend, row) != reference[row] for row in range(rows)):
-                    return rows - 1
-                tested = rows
+        for prefix in prefixes:
+            limit = _exact_rows_after(backend, tokens[:prefix], tokens[prefix:prefix + limit], seq_id)
         return limit
     finally:
         backend.seq_rm(seq_id)
 
 
-def _one_row_logits(backend: Backend, tokens: list[int], seq_id: int) -> list[bytes]:
-    """Each token's logits, fed one decode per token after the probe's prompt."""
-    backend.seq_rm(seq_id, PROBE_PROMPT_TOKENS, -1)
+def _exact_rows_after(backend: Backend, prefix: list[int], forced: list[int], seq_id: int) -> int:
+    """The largest n <= len(forced) whose batches of 1..n rows of `forced` after `prefix` are exact."""
+    backend.seq_rm(seq_id)
+    start = len(prefix)
+    for offset in range(0, start, backend.n_batch):
+        chunk = prefix[offset:offset + backend.n_batch]
+        _decode(backend, chunk, offset, seq_id, outputs=False)
+    tested = 1
+    for stage_end in sorted({min(FIRST_STAGE_ROWS, len(forced)), len(forced)}):
+        reference = _one_row_logits(backend, forced[:stage_end], start, seq_id)
+        for rows in range(tested + 1, stage_end + 1):
+            backend.seq_rm(seq_id, start, -1)
+            _decode(backend, forced[:rows], start, seq_id, outputs=True)
+            if any(_row_bytes(backend, row) != reference[row] for row in range(rows)):
+                return rows - 1
+            tested = rows
+    return len(forced)
+
+
+def _one_row_logits(backend: Backend, tokens: list[int], start: int, seq_id: int) -> list[bytes]:
+    """Each token's logits, fed one decode per token from position `start`."""
+    backend.seq_rm(seq_id, start, -1)
     rows = []
     for offset, token in enumerate(tokens):
-        _decode(backend, [token], PROBE_PROMPT_TOKENS + offset, seq_id, outputs=True)
+        _decode(backend, [token], start + offset, seq_id, outputs=True)
         rows.append(_row_bytes(backend, 0))
     return rows
 

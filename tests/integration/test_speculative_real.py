@@ -24,9 +24,9 @@ def average(values):
 """)
 
 
-def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,)):
+def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,), **settings):
     """Greedy answers to `prompts`, all at once; `speculation` may be a function of the backend."""
-    with LlamaBackend(settings_for(path, n_seq_max=n_seq_max)) as backend:
+    with LlamaBackend(settings_for(path, n_seq_max=n_seq_max, **settings)) as backend:
         if callable(speculation):
             speculation = speculation(backend)
         engine = Engine(backend, speculation=speculation)
@@ -116,23 +116,41 @@ def test_the_palimpsest_drafts_a_repeated_answer_after_a_restart_and_changes_not
 
 
 STORY = "Write a short story about a lighthouse keeper who finds a cat. " * 2
+LONG_REWRITE = REWRITE + "\nKeep this note above the function: " + "the average of no values is zero; " * 30
 
 
-def test_greedy_answers_stay_identical_on_a_model_whose_batched_kernels_round_differently(native_libraries,
-                                                                                        model_path):
-    """Qwen2.5-Coder-0.5B Q4_K_M: on x86 its repacked Q4_K rows differ from one-row decode in batches of 4 or
-    more, and verifying the story's drafts in such batches changed its answer here. Measured and kept within
-    the exact size, drafts change nothing."""
-    path = model_path("qwen2.5-coder-0.5b")
-    prompts = (REWRITE, STORY)
-    plain = answer(path, None, prompts=prompts[:1]) + answer(path, None, prompts=prompts[1:])
+def measured_answers(path, prompts, **settings):
+    """Greedy answers, one engine per prompt, with speculation (every lookup hit weighed as free) kept within the
+    batch sizes measured exact for these settings; and those sizes."""
     speculations = []
 
     def measured(backend):
         speculations.append(Speculation(PromptLookup(), max_draft=8, cost=FreeDrafts(),
                                         measure_exact_rows=exact_rows_probe(backend, 9)))
         return speculations[-1]
-    fast = answer(path, measured, prompts=prompts[:1]) + answer(path, measured, prompts=prompts[1:])
+    results = [answer(path, measured, prompts=(prompt,), **settings)[0] for prompt in prompts]
+    return results, [speculation.exact_rows for speculation in speculations]
+
+
+def test_greedy_answers_stay_identical_where_batched_kernels_round_differently(native_libraries, model_path):
+    """Qwen2.5-Coder-0.5B Q4_K_M with a q8_0 KV: on x86 its repacked Q4_K rows differ from one-row decode in
+    batches of 4 or more, and verifying the story's drafts in such batches changed its answer here. Measured
+    and kept within the exact size, drafts change nothing."""
+    path = model_path("qwen2.5-coder-0.5b")
+    prompts = (REWRITE, STORY)
+    plain = [answer(path, None, prompts=(prompt,), kv_type="q8_0")[0] for prompt in prompts]
+    fast, exact_rows = measured_answers(path, prompts, kv_type="q8_0")
     assert [r.text for r in fast] == [r.text for r in plain]
     assert all(r.finish.usage.accepted_draft_tokens > 5 for r in fast)
-    assert all(1 <= s.exact_rows <= 9 for s in speculations)
+    assert all(1 <= rows <= 9 for rows in exact_rows)
+
+
+def test_past_256_cells_of_an_f16_kv_no_batch_is_exact_and_greedy_answers_draft_nothing(native_libraries,
+                                                                                        smollm2_path):
+    """At the pin, flash attention over an f16 KV takes a split-KV path for a lone row once the KV view
+    reaches 512 cells, which no batch of 2 rows takes: the probe finds it, and a long greedy answer
+    decodes exactly as without speculation."""
+    (plain,) = answer(smollm2_path, None, prompts=(LONG_REWRITE,))
+    (fast,), exact_rows = measured_answers(smollm2_path, (LONG_REWRITE,))
+    assert exact_rows == [1]
+    assert fast.text == plain.text and fast.finish.usage.draft_tokens == 0
