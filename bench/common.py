@@ -24,6 +24,10 @@ from reame.model.backend import usable_cores
 # The benchmarks measure computing: a repeated deterministic request answered from the exact answer cache
 # would skip it. Those that measure the cache itself (arca.py, workload.py) turn it back on for their servers.
 os.environ.setdefault("REAME_CACHE_ANSWERS", "0")
+# They measure what drafting buys a greedy answer: with `speculative.exact` (the default) a greedy answer
+# drafts only in batches computed exactly as one row, which on an f16 KV is none past 256 cells
+# (docs/speculative.md#exactness). held_out.py compares both settings.
+os.environ.setdefault("REAME_SPECULATIVE_EXACT", "0")
 
 
 def bench_parser(doc: str, model: str | None, tokens: int, reps: int, tokens_help: str | None = None,

@@ -17,11 +17,15 @@ its Palimpsest archive in a fresh directory), Reame with `speculative.exact = fa
 any batch size), llama-server as it comes (no speculation) and llama-server `--spec-type ngram-simple`
 (sent the rewrites only). Each Reame has a prefix cache of its own, so no server restores another's
 prompt. Then every server is restarted (archives and prefix caches stay on disk) and the three Reames
-answer every request again: the repeat after a restart.
+answer every request again: the repeat after a restart. llama-server is sent each request twice in a
+row: new, and with its slot holding the prompt, when it decodes the prompt's last token alone, as Reame
+does every prompt of 64 tokens or more (engine/sequences.py, SOLO_LAST_TOKEN_PREFILL: so that a repeat
+computes what the first request did).
 
 Printed per kind: how many answers are byte-identical to Reame's with speculation off (before and after
 the restart) and llama-server's to it; decode tok/s with speculation off; paired median ratios to it
-(first answers, and repeats after the restart), and for rewrites to llama-server ngram-simple.
+(first answers, and repeats after the restart), and for rewrites to llama-server ngram-simple (and
+whether its answers are llama-server's without speculation).
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ TICKET_SCHEMA = {"type": "object", "properties": {
     "required": ["category", "priority", "team", "summary"]}
 SERVERS: dict[str, dict[str, str] | list[str]] = {
     "reame, speculation off": {"REAME_SPECULATIVE_ENABLED": "0", "REAME_CACHE_DIR": "{archive}/kv-off"},
-    "reame": {"REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}/exact", "REAME_CACHE_DIR": "{archive}/kv-exact"},
+    "reame": {"REAME_SPECULATIVE_EXACT": "1", "REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}/exact",
+              "REAME_CACHE_DIR": "{archive}/kv-exact"},
     "reame, exact off": {"REAME_SPECULATIVE_EXACT": "0", "REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}/inexact",
                          "REAME_CACHE_DIR": "{archive}/kv-inexact"},
     "llama-server": [],
@@ -113,7 +118,7 @@ def main() -> None:
     path = str(model_path(args.model))
     chosen = requests(args.texts)
     first: dict[str, list[Answer | None]] = {name: [None] * len(chosen) for name in SERVERS}
-    again: dict[str, list[Answer | None]] = {name: [None] * len(chosen) for name in REAMES}
+    again: dict[str, list[Answer | None]] = {name: [None] * len(chosen) for name in (*REAMES, LLAMA)}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="reame-held-out-") as archive:
         group = servers(path, args.threads, archive, SERVERS)
@@ -123,6 +128,8 @@ def main() -> None:
                 for name in rotated(tuple(SERVERS), turn):
                     if name != NGRAM or kind == "code: rewrite":
                         first[name][turn] = send_chat(group.port(name), body, args.tokens)
+                    if name == LLAMA:  # its slot now holds the prompt: it decodes only the last token again
+                        again[name][turn] = send_chat(group.port(name), body, args.tokens)
             group.stop()
             group.start()
             for turn, (_, body) in enumerate(chosen):
@@ -145,17 +152,21 @@ def main() -> None:
 
         rewrites = kind == "code: rewrite"
         rows.append([kind, str(len(turns)), same(first, ON), same(again, ON), same(first, INEXACT),
-                     same(again, INEXACT), same(first, LLAMA) + (" (other grammar)" if kind == "structured" else ""),
+                     same(again, INEXACT),
+                     f"{same(first, LLAMA)} / {same(again, LLAMA)}" + (" (other grammar)" if kind == "structured"
+                                                                       else ""),
                      f"{statistics.median(a[1] for a in answers(first, OFF)):.1f}",
                      speed(first, ON), speed(again, ON), speed(first, INEXACT), speed(again, INEXACT),
-                     speed(first, ON, NGRAM) if rewrites else "-", speed(first, INEXACT, NGRAM) if rewrites else "-"])
+                     speed(first, ON, NGRAM) if rewrites else "-", speed(first, INEXACT, NGRAM) if rewrites else "-",
+                     same(first, NGRAM, LLAMA) if rewrites else "-"])
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
           f"{len(chosen)} greedy requests, at most {args.tokens} tokens · {time.perf_counter() - started:.0f} s\n")
     print("Texts: how many answers are byte-identical to speculation off's (after a restart: both restarted).")
     print("Speeds: paired median decode tok/s ratios.\n")
     print_table(["kind", "requests", "exact: same text", "after restart", "exact off: same text", "after restart",
-                 "llama-server: same text", "off tok/s", "exact / off", "repeat after restart",
-                 "exact off / off", "repeat after restart", "exact / ngram-simple", "exact off / ngram-simple"],
+                 "llama-server: same text (new / repeated prompt)", "off tok/s", "exact / off", "repeat after restart",
+                 "exact off / off", "repeat after restart", "exact / ngram-simple", "exact off / ngram-simple",
+                 "ngram-simple: same text as llama-server"],
                 rows)
 
 

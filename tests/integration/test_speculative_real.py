@@ -81,16 +81,21 @@ def test_greedy_answer_is_identical_with_a_draft_model_that_drafts_for_it(native
 
 
 def test_the_cli_reports_accepted_drafts(native_libraries, smollm2_path):
-    result = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE)
-    assert result.returncode == 0, result.stderr
-    assert "drafts accepted" in result.stderr and "tokens per step)" in result.stderr
-    off = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", stdin=REWRITE,
-                env={"REAME_SPECULATIVE_ENABLED": "0"})
-    assert off.stdout == result.stdout and "drafts accepted" not in off.stderr
-    drafted = reame("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80", "--draft-model",
-                    str(smollm2_path), stdin=REWRITE)
+    """Greedy drafts change nothing by default; `speculative.exact = false` drafts at any batch size and says so."""
+    run = ("run", str(smollm2_path), "-", "--temp", "0", "--max-tokens", "80")
+    computed = {"REAME_CACHE_ANSWERS": "0"}  # each run decodes; none is answered from the exact answer cache
+    off = reame(*run, stdin=REWRITE, env={**computed, "REAME_SPECULATIVE_ENABLED": "0"})
+    assert off.returncode == 0, off.stderr
+    assert "drafts accepted" not in off.stderr
+    exact = reame(*run, stdin=REWRITE, env=computed)
+    assert exact.returncode == 0, exact.stderr
+    assert exact.stdout == off.stdout and "decode each row exactly as one row alone" in exact.stderr
+    unlimited = reame(*run, stdin=REWRITE, env={**computed, "REAME_SPECULATIVE_EXACT": "0"})
+    assert unlimited.returncode == 0, unlimited.stderr
+    assert "drafts accepted" in unlimited.stderr and "tokens per step)" in unlimited.stderr
+    drafted = reame(*run, "--draft-model", str(smollm2_path), stdin=REWRITE, env=computed)
     assert drafted.returncode == 0, drafted.stderr
-    assert drafted.stdout == result.stdout and f"drafting with {smollm2_path.name}" in drafted.stderr
+    assert drafted.stdout == off.stdout and f"drafting with {smollm2_path.name}" in drafted.stderr
 
 
 def test_the_cli_refuses_a_draft_model_it_cannot_use(native_libraries, smollm2_path, tmp_path):
