@@ -2,6 +2,7 @@
 patterns compile, and an answer is graded HALLU before OK (a wrong fact outweighs a right word)."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -10,10 +11,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-# bench/common.py turns the exact answer cache off for benchmarks when imported: not for the tests after this.
-with pytest.MonkeyPatch.context() as environment:
-    environment.setenv("REAME_CACHE_ANSWERS", "1")
-    from fact_exam import DATA, FORMS, grade  # noqa: E402
+# bench/common.py sets the benchmarks' environment when imported (no exact answer cache, greedy drafting
+# with speculative.exact off): not for the tests after this, which spawn servers and CLIs that inherit it.
+_environment_before = dict(os.environ)
+from fact_exam import DATA, FORMS, grade  # noqa: E402
+os.environ.clear()
+os.environ.update(_environment_before)
+
+
+def test_importing_the_benchmarks_leaves_the_tests_environment_alone():
+    for key in ("REAME_CACHE_ANSWERS", "REAME_SPECULATIVE_EXACT"):  # what bench/common.py sets
+        assert os.environ.get(key) == _environment_before.get(key)
 
 
 @pytest.mark.parametrize("language", ["en", "it"])
