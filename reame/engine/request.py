@@ -139,7 +139,8 @@ class FinishEvent:
     usage: Usage
     message: str = ""  # why, for "error" and for a length stop that hit the context
     text: str = ""  # text held back until the end (an unfinished character or stop-string prefix)
-    # For an "error" the request itself caused (its grammar, say): what a client is told to fix.
+    # For an "error" the request itself caused (its grammar, say): what a client is told to fix; the server
+    # also ends an answer whose engine died with one (engine_unavailable, server/service.py).
     code: str = ""
     stop_sequence: str = ""  # for a "stop" at one of the request's stop strings: which
 

@@ -1,5 +1,6 @@
 """The exact answer cache as the server uses it (reame/answers.py): an answer served from it in place of
-the engine's handle, and the tap that hands a computed answer to the cache when it ends."""
+the engine's handle (replayed as the token-sized pieces a generation streams), and the tap that hands a
+computed answer to the cache when it ends."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import queue
 from collections.abc import Callable
 
 from reame.engine import FinishEvent, TokenEvent
+from reame.engine.textstream import TextStream
+from reame.model.backend import Backend
 
 
 class StoredAnswer:
@@ -21,6 +24,20 @@ class StoredAnswer:
 
     def delivered(self) -> None:
         pass
+
+
+def replayed(text: str, backend: Backend) -> list[TokenEvent]:
+    """A kept answer as the events a generation of it streams: one per token, each with the text that
+    token completes (a character split across tokens arrives whole, as the engine sends it). Clients and
+    the thinking and tool-call parsers then see a kept answer arrive as a computed one does. A text that
+    does not tokenize back to itself (a tokenizer that adds a leading space, say) arrives as one piece."""
+    tokens = backend.tokenize(text, add_special=False, parse_special=False)
+    stream = TextStream()
+    events = [TokenEvent(token, stream.push(backend.token_piece(token))) for token in tokens]
+    events.append(TokenEvent(-1, stream.flush()))
+    if "".join(event.text for event in events) != text:
+        return [TokenEvent(-1, text)]
+    return [event for event in events if event.text]
 
 
 class AnswerTap:

@@ -17,11 +17,11 @@ from reame.conclave import Ballot, attempts
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from reame.errors import EngineUnavailable, OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
-from reame.server.answers import AnswerTap, StoredAnswer
+from reame.server.answers import AnswerTap, StoredAnswer, replayed
 from reame.server.http import Handler, HttpError
 from reame.server.semantic import Lookup, Question, look_up
 from reame.server.models import ServedModel
-from reame.server.service import POLL_S, Service, failure, loaded, refusal
+from reame.server.service import POLL_S, Service, engine_gone, failure, loaded, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
                                      semantic_cache_allowed, stream_usage)
@@ -155,7 +155,8 @@ def kept_answer(app: Service, model: ServedModel, tokens: list[int], key: bytes,
     app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total", model=model.name)
     if cached is None:
         return None
-    sink.put((0, TokenEvent(-1, cached.text)))
+    for event in replayed(cached.text, loaded(model).backend):
+        sink.put((0, event))
     sink.put((0, cached.finish(len(tokens))))
     return [StoredAnswer(tokens)]
 
@@ -279,11 +280,9 @@ def stream_answer(app: Service, handler: Handler, model: ServedModel, response: 
             remaining -= 1
             if not remaining:
                 finished()
-            if event.reason in ("error", "timeout"):
-                code = event.code or ("generation_failed" if event.reason == "error" else "queue_timeout")
-                kind = "invalid_request_error" if event.code else "server_error"
-                handler.send_event({"error": {"message": event.message, "type": kind, "param": None,
-                                              "code": code}})
+            failed = failure(event)
+            if failed is not None:
+                handler.send_event(failed.body())
                 continue
             if choice.parser is not None:
                 send_said(handler, response, tag, choice, choice.parser.feed(text) + choice.parser.finish())
@@ -297,8 +296,9 @@ def stream_answer(app: Service, handler: Handler, model: ServedModel, response: 
         for handle in handles:
             handle.cancel()
     except EngineUnavailable as error:  # the stream has begun: the error goes in it, and it ends
-        handler.send_event({"error": {"message": str(error), "type": "server_error", "param": None,
-                                      "code": "engine_unavailable"}})
+        failed = failure(engine_gone(error, prompt_tokens))
+        assert failed is not None
+        handler.send_event(failed.body())
 
 
 def send_said(handler: Handler, response: Response, tag: int, choice: Choice,

@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from reame.engine import Engine, FinishEvent
+from reame.engine import Engine, FinishEvent, Usage
+from reame.engine.request import FINISH_ERROR
 from reame.engine.kv import KvStats
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.conversations import Conversations
@@ -19,6 +20,7 @@ from reame.server.sessions import SessionError, Sessions
 from reame.server.shapes import Choice
 
 POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
+ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose model's engine died
 
 
 class Service:
@@ -186,12 +188,20 @@ def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestE
     if isinstance(error, SessionError):
         return HttpError(error.status, str(error), param=error.param, code=error.code, headers=error.headers)
     if isinstance(error, EngineUnavailable):
-        return HttpError(503, str(error), "server_error", "engine_unavailable", headers={"Retry-After": "5"})
+        return HttpError(503, str(error), "server_error", ENGINE_UNAVAILABLE, headers={"Retry-After": "5"})
     return error
+
+
+def engine_gone(error: EngineUnavailable, prompt_tokens: int) -> FinishEvent:
+    """How an answer ends when its model's engine died before telling it: an error that `failure` makes
+    a 503 (each API family says it in its own stream's error event once its stream has begun)."""
+    return FinishEvent(FINISH_ERROR, Usage(prompt_tokens, 0, 0.0, 0.0), message=str(error), code=ENGINE_UNAVAILABLE)
 
 
 def failure(finish: FinishEvent) -> HttpError | None:
     """The HTTP error of an answer that failed or timed out (None for one that ended well)."""
+    if finish.code == ENGINE_UNAVAILABLE:
+        return as_http_error(EngineUnavailable(finish.message))
     if finish.reason == "timeout":
         return HttpError(503, "the server is busy: no sequence slot became free in time, retry later",
                          "server_error", "queue_timeout", headers={"Retry-After": "5"})

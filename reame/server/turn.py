@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
-from reame.errors import OverloadedError, RequestError
+from reame.errors import EngineUnavailable, OverloadedError, RequestError
 from reame.server.generation import StoredAnswer, submit
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel
 from reame.server.semantic import Question
-from reame.server.service import Service, failure, refusal
+from reame.server.service import Service, engine_gone, failure, refusal
 from reame.server.shapes import Choice
 from reame.structured.thinking import ThinkingSplitter
 from reame.structured.requested import forced_tool_grammar
@@ -84,11 +84,17 @@ def start(app: Service, handler: Handler, model: ServedModel, request: Generatio
 
 
 def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
-    """The answer's pieces as they come, then one with its end (counted in the metrics). Stops, cancelling
-    the generation, when the client goes away."""
+    """The answer's pieces as they come, then one with its end (counted in the metrics; an engine that died
+    meanwhile ends it as an error, engine_unavailable). Stops, cancelling the generation, when the client
+    goes away."""
     choice = turn.choice
     while True:
-        _, event = app.next_event(turn.model, turn.events)
+        try:
+            _, event = app.next_event(turn.model, turn.events)
+        except EngineUnavailable as error:  # the engine died: the answer ends in an error every family can say
+            choice.finish = engine_gone(error, turn.prompt_tokens)
+            yield Said(finish=choice.finish)
+            return
         if event is None:
             if handler.client_gone():
                 turn.handle.cancel()

@@ -13,6 +13,7 @@ from reame.errors import ConfigError
 from tests.fakes.backend import FakeBackend
 from reame.cache.answers import DiskAnswers, RamAnswers
 from reame.answers import AnswerCache, SharedAnswers
+from reame.server.answers import replayed
 from tests.arca_thread import arca_thread
 from tests.live_server import free_port
 from tests.unit.test_server import Live
@@ -242,3 +243,55 @@ def test_a_one_shot_prompt_is_answered_from_disk_the_second_time_without_the_eng
         for _ in range(2):  # never looked up, never kept
             cli.answer_once(engine, "hello there", unseeded, quiet=True, answers=answers)
             assert "exact answer cache" not in capsys.readouterr().err
+
+
+ASKED = [{"role": "user", "content": "hello there"}]
+
+
+def sse_data(data: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in data.decode().split("\n") if line.startswith("data: {")]
+
+
+# Each family's streamed greedy request, and the text pieces its stream carries (in order).
+STREAMED = {
+    "openai chat": ("/v1/chat/completions", dict(CHAT, stream=True), lambda data: [
+        chunk["choices"][0]["delta"]["content"] for chunk in sse_data(data)
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content")]),
+    "openai completions": ("/v1/completions", {"prompt": "hello there", "max_tokens": 12, "temperature": 0,
+                                               "stream": True}, lambda data: [
+        chunk["choices"][0]["text"] for chunk in sse_data(data) if chunk["choices"][0]["text"]]),
+    "ollama": ("/api/chat", {"model": "reame", "messages": ASKED, "options": {"temperature": 0, "num_predict": 12}},
+               lambda data: [line["message"]["content"] for line in map(json.loads, data.decode().splitlines())
+                             if not line["done"] and line["message"]["content"]]),
+    "anthropic": ("/v1/messages", {"model": "reame", "max_tokens": 12, "temperature": 0, "messages": ASKED,
+                                   "stream": True}, lambda data: [
+        event["delta"]["text"] for event in sse_data(data) if event.get("type") == "content_block_delta"]),
+    "responses": ("/v1/responses", {"model": "reame", "input": "hello there", "max_output_tokens": 16,
+                                    "temperature": 0, "stream": True}, lambda data: [
+        event["delta"] for event in sse_data(data) if event.get("type") == "response.output_text.delta"]),
+}
+
+
+@pytest.mark.parametrize("family", STREAMED)
+def test_a_streamed_hit_arrives_in_the_pieces_a_generation_sends(alone, family):
+    """A client's stream handling (its UI, a parser fed per chunk) sees a kept answer as it saw it computed."""
+    live, _, backend = alone()
+    path, body, pieces = STREAMED[family]
+    response, computed = live.request("POST", path, body)
+    assert response.getheader("X-Reame-Cache") == "miss"
+    calls = len(backend.decode_calls)
+    response, kept = live.request("POST", path, body)
+    assert response.getheader("X-Reame-Cache") == "hit" and len(backend.decode_calls) == calls
+    assert len(pieces(computed)) > 1 and pieces(kept) == pieces(computed)
+
+
+def test_a_kept_answer_replays_a_character_split_across_tokens_whole():
+    pieces = [event.text for event in replayed("pé ✓", FakeBackend())]  # bytes: p, é as 2, space, ✓ as 3
+    assert pieces == ["p", "é", " ", "✓"]
+
+
+def test_a_kept_answer_that_does_not_tokenize_back_to_itself_arrives_whole():
+    class LeadingSpace(FakeBackend):
+        def token_piece(self, token: int) -> bytes:
+            return b" " + super().token_piece(token) if token == ord("h") else super().token_piece(token)
+    assert [event.text for event in replayed("hi", LeadingSpace())] == ["hi"]

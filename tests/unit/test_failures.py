@@ -88,6 +88,69 @@ def test_a_handler_waiting_on_a_dead_engine_answers_instead_of_hanging(stream):
         engine.close()
 
 
+def last_sse_event(data: bytes) -> tuple[str, dict]:
+    """The last event of an SSE stream: its name ("" when unnamed) and its JSON."""
+    frames = [frame for frame in data.decode().split("\n\n") if "data: " in frame]
+    name, payload = "", ""
+    for line in frames[-1].split("\n"):
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            payload = line[6:]
+    return name, json.loads(payload)
+
+
+ASK = [{"role": "user", "content": "hi"}]
+# Each family's streamed request and how its stream must end when the engine dies mid-answer.
+FAMILY_STREAMS = {
+    "openai completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                           lambda data: last_sse_event(data)[1]["error"]["code"] == "engine_unavailable"),
+    "openai chat": ("/v1/chat/completions", {"messages": ASK, "max_tokens": 2},
+                    lambda data: last_sse_event(data)[1]["error"]["code"] == "engine_unavailable"),
+    "ollama": ("/api/chat", {"model": "reame", "messages": ASK, "options": {"num_predict": 2}},
+               lambda data: "engine" in json.loads(data.decode().strip().split("\n")[-1])["error"]),
+    "anthropic": ("/v1/messages", {"model": "reame", "messages": ASK, "max_tokens": 2},
+                  lambda data: last_sse_event(data) == ("error", {"type": "error", "error": {
+                      "type": "overloaded_error", "message": last_sse_event(data)[1]["error"]["message"]}})),
+    "responses": ("/v1/responses", {"model": "reame", "input": "hi", "max_output_tokens": 16},
+                  lambda data: last_sse_event(data)[0] == "error"
+                  and last_sse_event(data)[1]["code"] == "engine_unavailable"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_STREAMS)
+def test_an_engine_dying_mid_stream_ends_each_familys_stream_with_its_error_event(family):
+    """The stream has begun (its headers are out): the error must be the family's own last event, never a
+    JSON error body written into the stream."""
+    path, body, ends_in_its_error = FAMILY_STREAMS[family]
+    gate = threading.Event()
+    engine = Engine(FakeBackend(rule=gated_rule(gate, wait_s=60))).start()
+    server = Live(engine)
+    try:
+        busy = engine.submit(GenerationRequest("busy", SamplingParams(max_tokens=3)))
+        while engine.load()[1] < 1 and busy.finish is None:
+            gate.wait(0.01)
+        original_end = engine._end
+        engine._end = lambda why, reason="cancelled": None  # it fails to answer anyone
+        kill_on_next_admission(engine)
+        answer = {}
+        client = threading.Thread(target=lambda: answer.update(
+            reply=server.request("POST", path, dict(body, stream=True))))
+        client.start()
+        while engine.load()[0] < 1 and client.is_alive():  # queued behind the busy one, its stream begun
+            client.join(0.01)
+        gate.set()
+        client.join(20)
+        assert not client.is_alive(), "the handler hung on a dead engine"
+        response, data = answer["reply"]
+        assert response.status == 200 and ends_in_its_error(data), data.decode()[-400:]
+        engine._end = original_end
+    finally:
+        gate.set()
+        server.close()
+        engine.close()
+
+
 def test_a_bug_in_a_route_is_a_500_in_openais_shape_and_the_server_goes_on(engine, monkeypatch, caplog):
     import dataclasses
 

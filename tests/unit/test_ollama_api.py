@@ -98,6 +98,9 @@ def test_tags_show_ps_and_version_describe_the_served_model(live):
     assert model["details"]["parameter_size"] == "1M" and len(model["digest"]) == 64
     _, shown = live.json("POST", "/api/show", {"model": "anything"})
     assert shown["model_info"]["general.architecture"] == "fake" and "completion" in shown["capabilities"]
+    assert "insert" in shown["capabilities"]  # the model has fill-in-the-middle tokens
+    live.model.engine.backend.has_fim = False
+    assert "insert" not in live.json("POST", "/api/show", {"model": "anything"})[1]["capabilities"]
     _, running = live.json("GET", "/api/ps")
     assert running["models"][0]["context_length"] == 1024
     assert live.json("GET", "/api/version")[1]["version"]

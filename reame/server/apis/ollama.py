@@ -113,7 +113,7 @@ def show(app: Service, handler: Handler, _path: str) -> None:
     facts = model.facts
     engine = model.engine
     capabilities = ["completion", "tools"] + \
-        (["insert"] if engine is not None and getattr(engine.backend, "has_fim", False) else [])
+        (["insert"] if engine is not None and engine.backend.fim_tokens() is not None else [])
     handler.send_json(200, {
         "modelfile": "", "parameters": "", "template": "", "details": details(model),
         "model_info": {"general.architecture": facts.architecture,
