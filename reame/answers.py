@@ -84,7 +84,7 @@ class AnswerCache:
         for depth, tier in enumerate(self.tiers):
             value = tier.get(key)
             answer = decode(key, value) if value is not None else None
-            if answer is not None:
+            if value is not None and answer is not None:
                 for nearer in self.tiers[:depth]:
                     nearer.put(key, value)
                 return answer

@@ -287,12 +287,18 @@ def print_config(settings: Settings, chosen: assembly.Plan) -> None:
 # --- commands -----------------------------------------------------------------------------
 
 def read_prompt(prompt: str | None) -> str | None:
+    """The prompt the command line gives (None: none, "-": standard input); a ConfigError when it is empty."""
     if prompt == "-":
-        prompt = sys.stdin.read()
-        if not prompt.strip():
-            raise ConfigError("the prompt read from standard input is empty")
-    elif prompt is not None and not prompt.strip():
+        return read_stdin_prompt()
+    if prompt is not None and not prompt.strip():
         raise ConfigError("the prompt is empty")
+    return prompt
+
+
+def read_stdin_prompt() -> str:
+    prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise ConfigError("the prompt read from standard input is empty")
     return prompt
 
 
@@ -447,7 +453,7 @@ def command_warm(args: argparse.Namespace, settings: Settings) -> int:
     import json
     if not settings.cache.enabled:
         raise ConfigError("the prefix cache is off (cache.enabled = false): warming would keep nothing")
-    texts = [(name, read_prompt("-") if name == "-" else read_text_file(name)) for name in args.files]
+    texts = [(name, read_stdin_prompt() if name == "-" else read_text_file(name)) for name in args.files]
     path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
     chosen = assembly.plan(settings, path, entry)
     with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen)), settings,
@@ -563,9 +569,12 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_pull(args)
         config_mode = args.command is None and (args.serve or args.prompt is not None or args.print_config
                                                  or args.config)
+        if args.command not in ("run", "warm", "arca") and not config_mode:
+            print(hints())
+            return EXIT_OK
         choice = config.choose_config(args.config, search=True) if config_mode else None
-        settings = load_settings(args, choice) if args.command in ("run", "warm", "arca") or config_mode else None
-        if settings is not None and not quiet:
+        settings = load_settings(args, choice)
+        if not quiet:
             configure_logging(LOG_LEVELS[settings.log_level])
         if args.command == "run":
             return command_run(args, settings, startup)
@@ -573,10 +582,8 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_warm(args, settings)
         if args.command == "arca":
             return command_arca(settings, args.check_aof, args.fix)
-        if choice is not None:
-            return command_config_mode(args, settings, choice)
-        print(hints())
-        return EXIT_OK
+        assert choice is not None  # config mode: the command line names no subcommand
+        return command_config_mode(args, settings, choice)
     except USER_ERRORS as error:
         print(f"reame: error: {error}", file=sys.stderr)
         return EXIT_USAGE

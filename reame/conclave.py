@@ -154,9 +154,9 @@ class Election:
         voted = [i for i, c in enumerate(candidates) if c.key is not None]
         if len(voted) * 2 >= self.n:
             # The most voted key, the first attempt's among equals; at least two votes make it a choice.
-            first = {}
+            first: dict[str, int] = {}
             for i in voted:
-                first.setdefault(candidates[i].key, i)
+                first.setdefault(candidates[i].key or "", i)
             key = max(first, key=lambda k: (self._tally[k], -first[k]))
             if self._tally[key] >= 2:
                 return Verdict(first[key], self._tally[key], candidates, early=False)

@@ -357,9 +357,10 @@ def load(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | No
         for name, (raw, number) in entries.items():
             where = f"{source}:{number}"
             if name in ALIASES:
-                name, raw = _from_alias(ALIASES[name], raw, where, values, entries)
-                if name is None:
+                aliased, raw = _from_alias(ALIASES[name], raw, where, values, entries)
+                if aliased is None:
                     continue
+                name = aliased
             key = KEYS_BY_NAME.get(name)
             if key is None:
                 raise unknown_key_error(name, where)

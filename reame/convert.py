@@ -179,7 +179,7 @@ def safetensors_layout(path: Path, layers: int) -> list[Tensor]:
         valid = entry.get("dtype") == "F32" and isinstance(shape, list) and 1 <= len(shape) <= 2 and \
             all(isinstance(d, int) and 0 < d < 1 << 24 for d in shape) and isinstance(offsets, list) and \
             len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-        if not valid:
+        if not valid or not isinstance(shape, list) or not isinstance(offsets, list):
             raise ModelError(f"{path.name}: {hf} is not a float32 vector or matrix")
         count = shape[0] * (shape[1] if len(shape) == 2 else 1)
         start, end = base + offsets[0], base + offsets[1]

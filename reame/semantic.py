@@ -36,7 +36,7 @@ from reame.answers import KEY_PREFIX as ANSWER_PREFIX
 from reame.engine import SamplingParams
 
 if TYPE_CHECKING:
-    from reame.arca.client import StoreClient
+    from reame.arca.client import StoreCommands
 
 STREAM_PREFIX = b"reame:semantic:"
 MAX_QUESTION_CHARS = 2000  # a longer last message is a document, not a question: not looked up
@@ -149,7 +149,7 @@ class SemanticIndex:
     """Every scope's kept questions, in RAM and in the shared store if any. Thread-safe; never raises on
     the store's account (a store that is down or sends junk only misses)."""
 
-    def __init__(self, fingerprint: bytes, embedder_id: str, threshold: float, store: StoreClient | None = None,
+    def __init__(self, fingerprint: bytes, embedder_id: str, threshold: float, store: StoreCommands | None = None,
                  ttl_ms: int = 0) -> None:
         self.fingerprint = fingerprint
         self.embedder_id = embedder_id

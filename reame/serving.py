@@ -11,6 +11,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 from reame import autoconfig, catalog, gguf
 from reame.assembly import (Plan, answer_tiers, model_settings, new_engine, plan, resolve_model, progress_stream,
@@ -150,14 +151,23 @@ def file_facts(path: Path, context_length: int) -> ModelFacts:
                       summary["parameter_size"], summary["context_train"], context_length)
 
 
-def parse_summary(text: str) -> dict[str, str | int]:
-    """A remembered model summary read back: gguf.model_summary's keys and types, or ValueError."""
+class ModelSummary(TypedDict):
+    """gguf.model_summary's keys and types."""
+
+    architecture: str
+    quantization: str
+    parameter_size: str
+    context_train: int
+
+
+def parse_summary(text: str) -> ModelSummary:
+    """A remembered model summary read back, or ValueError."""
     summary = json.loads(text)
     kinds = {"architecture": str, "quantization": str, "parameter_size": str, "context_train": int}
     if not isinstance(summary, dict) or set(summary) != set(kinds) or \
             not all(type(summary[key]) is kind for key, kind in kinds.items()):
         raise ValueError("not a model summary")
-    return summary
+    return cast(ModelSummary, summary)
 
 
 def directory_name(name: str) -> str:

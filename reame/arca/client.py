@@ -96,6 +96,11 @@ class StoreCommands:
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         raise NotImplementedError
 
+    @property
+    def failures(self) -> int:
+        """How often the store was found down so far: a reader with nothing to read waits longer meanwhile."""
+        raise NotImplementedError
+
     def get(self, key: bytes) -> bytes | None:
         reply = self.call(b"GET", key)
         return reply if isinstance(reply, bytes) else None
@@ -143,10 +148,14 @@ class StoreClient(StoreCommands):
         self._buffer = bytearray()
         self._down_until = 0.0
         self._backoff = BACKOFF_START_S
-        self.failures = 0
+        self._failures = 0
         self._deadline = 0.0  # of the request being read, and what its reply has cost so far
         self._received = 0
         self._items = 0
+
+    @property
+    def failures(self) -> int:
+        return self._failures
 
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         """The reply, or None when the store is down (or answered an error)."""
@@ -182,7 +191,7 @@ class StoreClient(StoreCommands):
 
     def _fail(self, error: Exception) -> None:
         self._disconnect()
-        self.failures += 1
+        self._failures += 1
         if self._backoff == BACKOFF_START_S:
             log.warning("the store at %s:%d is unreachable (%s); serving without it, retrying in %.1f s",
                         self.address.host, self.address.port, error, self._backoff)

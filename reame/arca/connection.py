@@ -122,7 +122,7 @@ class Connection(asyncio.Protocol):
                 self._close()  # as Redis: the replies to what came with it in the same read are not sent
                 return
             reply = execute(state, client, command)
-            if type(reply) is Blocked:
+            if isinstance(reply, Blocked):
                 self._send(out)
                 self._queued = commands[index + 1:]
                 self._pause_reading()

@@ -145,7 +145,8 @@ def cmd_config(state: ArcaState, client: Client, args: list[bytes]) -> Reply:
 
 def cmd_info(state: ArcaState, client: Client, args: list[bytes]) -> Reply:
     aof = state.aof
-    sections = {
+    assert aof is not None, "INFO is never replayed from the log"
+    sections: dict[str, dict[str, object]] = {
         "server": {"redis_version": REDIS_VERSION, "arca_version": __version__, "redis_mode": "standalone",
                    "os": os.uname().sysname, "process_id": os.getpid(), "tcp_port": state.settings.port,
                    "uptime_in_seconds": int(time.time() - state.started)},

@@ -75,11 +75,13 @@ def cmd_set(state: ArcaState, client: Client, args: list[bytes]) -> Reply:
             return Error("ERR syntax error")
         i += 1
     entry = state.keyspace.get_entry(key)
-    if give_old and entry is not None and isinstance(entry.value, Stream):
-        raise StoreError("WRONGTYPE Operation against a key holding the wrong kind of value")
-    old = entry.value if entry is not None else None
+    old: bytes | None = None  # what GET asked for
+    if give_old and entry is not None:
+        if isinstance(entry.value, Stream):
+            raise StoreError("WRONGTYPE Operation against a key holding the wrong kind of value")
+        old = entry.value
     if (condition == b"NX" and entry is not None) or (condition == b"XX" and entry is None):
-        return old if give_old else None
+        return old
     if keep_ttl and entry is not None:
         expires_at = entry.expires_at
     state.keyspace.set(key, value, expires_at)

@@ -105,7 +105,7 @@ class RequestParser:
         many bytes they take, and whether parsing stopped at a malformed command (else at the end of `data`,
         or in an unfinished one)."""
         self._buffer += data
-        commands = []
+        commands: list[list[bytes]] = []
         while self._position < len(self._buffer):
             if self._buffer[self._position] != ord("*"):
                 return commands, self._position, True
@@ -306,7 +306,7 @@ def encode(reply: Reply, resp3: bool = False) -> bytes:
     error, list an array (nested), dict a map (RESP3) or a flat array of pairs (RESP2)."""
     kind = type(reply)
     if kind is bytes:  # the common replies first: a value, OK, a miss
-        return b"$%d\r\n%b\r\n" % (len(reply), reply)  # type: ignore[arg-type]
+        return b"$%d\r\n%b\r\n" % (len(reply), reply)  # type: ignore[arg-type, str-format]
     if reply is OK:
         return b"+OK\r\n"
     if reply is None and not resp3:

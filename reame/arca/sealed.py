@@ -37,6 +37,10 @@ class SealedStore(StoreCommands):
         self.refused = 0  # values read whose tag was wrong or missing
         self._warned_at = float("-inf")
 
+    @property
+    def failures(self) -> int:
+        return self.store.failures
+
     def call(self, *words: bytes, timeout_s: float | None = None) -> object:
         command = words[0].upper() if words else b""
         if command == b"SET" and len(words) >= 3:

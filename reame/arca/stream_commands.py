@@ -199,7 +199,7 @@ def bound(text: bytes, low: bool) -> StreamId:
 
 def entries(stream: Stream, low: StreamId, high: StreamId, count: int | None) -> list:
     start = bisect.bisect_left(stream.ids, low)
-    found = []
+    found: list = []
     for index in range(start, len(stream.ids)):
         if stream.ids[index] > high or (count is not None and len(found) >= count):
             break

@@ -239,7 +239,8 @@ class RemoteKV:
     def missed(self) -> None:
         self._count("misses")
 
-    def _missed(self, why: str) -> None:
+    def _missed(self, why: str) -> Snapshot | None:
+        """Count a lookup that found nothing by its cause; None, what such a lookup returns."""
         self._count(why)
         if why != "misses":
             self._count("misses")

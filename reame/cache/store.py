@@ -126,7 +126,7 @@ def decode(data: bytes | bytearray | mmap.mmap, fingerprint: bytes, checksum: bo
 def check(data: bytes | bytearray | mmap.mmap, fingerprint: bytes, checksum: bool = True) -> tuple[int, int, int, int]:
     """The header of a whole file (tokens, codec, payload size, raw size) once its layout and, with
     `checksum`, its crc32 are right; CacheError otherwise."""
-    header = _parse_header(data[:HEADER.size], fingerprint)
+    header = _parse_header(bytes(data[:HEADER.size]), fingerprint)
     n_tokens, _, payload_size, _ = header
     if len(data) != HEADER.size + 4 * n_tokens + payload_size + TRAILER.size:
         raise CacheError("the file is truncated or has trailing bytes")

@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,16 +85,6 @@ class EngineStatus:
     kv: KvStats = KvStats()  # the KV's cells, restores and what idle slots gave up
 
 
-class _Call:
-    """A function to run on the engine thread, and its outcome for the caller waiting on it."""
-
-    def __init__(self, function: Callable[[], Any]) -> None:
-        self.function = function
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
 class Engine:
     """Owns a backend and the one thread that drives it."""
 
@@ -134,7 +124,7 @@ class Engine:
         if cache is not None:
             cache.follow(self.idle)
         self.status = EngineStatus(idle_prefixes=((),) * backend.n_seq_max)
-        self._inbox: queue.SimpleQueue[list[Handle] | EmbeddingJob | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Handle] | EmbeddingJob | None] = queue.SimpleQueue()
         # Generations submitted and not yet admitted to a slot (or answered), and embedding jobs not yet ended,
         # every one counted against max_queue.
         self._queue_lock = threading.Lock()
@@ -237,22 +227,6 @@ class Engine:
     def _embedding_ended(self) -> None:
         with self._queue_lock:
             self._queued -= 1
-
-    def call(self, function: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-        """Run `function` on the engine thread, between two steps, and return what it returns."""
-        self._check_available()
-        job = _Call(function)
-        self._inbox.put(job)
-        if not job.done.wait(timeout_s):
-            raise EngineUnavailable("the engine did not get to the call in time")
-        if job.error is not None:
-            raise job.error
-        return job.result
-
-    def forget_idle_kv(self) -> None:
-        """Drop what idle slots keep for reuse (the KV and the record of it): as after a restart,
-        only the prefix cache and sessions remember."""
-        self.call(self._sequences.forget_idle)
 
     def _check_available(self) -> None:
         if self.status.dead:
@@ -364,18 +338,12 @@ class Engine:
             if self._sequences.running:
                 self._step()
 
-    def _take(self, item: list[Handle] | EmbeddingJob | _Call | None) -> bool:
+    def _take(self, item: list[Handle] | EmbeddingJob | None) -> bool:
         """File an inbox item; False when it asks the engine to stop."""
         if item is None:
             return False
         if isinstance(item, EmbeddingJob):
             self._embeddings.add(item)
-        elif isinstance(item, _Call):
-            try:
-                item.result = item.function()
-            except BaseException as error:  # noqa: BLE001 (the caller gets it)
-                item.error = error
-            item.done.set()
         else:
             self._waiting.extend(item)
             self._changed = True
@@ -419,9 +387,6 @@ class Engine:
                     self._reject(handle, reason, why)
             elif isinstance(item, EmbeddingJob):
                 item.end(why)
-            elif isinstance(item, _Call):
-                item.error = EngineUnavailable(why)
-                item.done.set()
 
     # --- engine thread: admission -----------------------------------------------------------
 

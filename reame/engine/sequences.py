@@ -173,7 +173,7 @@ class Sequences:
         log.info("a %s of %d tokens was not restored (%s): its prompt is prefilled", source, cells,
                  "running sequences hold the cells it needs" if outcome == "no_room"
                  else "this context refused the state")
-        if cache is not None and outcome == "rejected":
+        if cache is not None and isinstance(saved, Snapshot) and outcome == "rejected":
             cache.restore_failed(saved)  # never offered here again; one that found no room stays
         return 0
 
@@ -320,14 +320,6 @@ class Sequences:
         offender = max(self.running, key=lambda r: (r.n_fed - admission.reservation(r.handle, self.limits),
                                                     r.admission))
         self.finish(offender, FINISH_LENGTH, "the context is full")
-
-    def forget_idle(self) -> None:
-        """Drop what idle slots keep for reuse (the KV and the record of it)."""
-        for slot in self.slots:
-            if slot.running is None and slot.held:
-                self.kv.remove(slot.seq_id)
-                slot.held = []
-        self.changed = True
 
     # --- an end --------------------------------------------------------------------------
 

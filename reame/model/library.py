@@ -7,12 +7,21 @@ import collections
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 
 _llama_log = logging.getLogger("reame.llama")
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
-_log_state = {"partial": "", "level": 0}
+@dataclass
+class _LogState:
+    """llama.cpp logs a line in pieces (GGML_LOG_LEVEL_CONT): the line so far, and its level."""
+
+    partial: str = ""
+    level: int = 0
+
+
+_log_state = _LogState()
 _log_callback = None  # keeps the ctypes callback alive
 _init_lock = threading.Lock()
 _backend_ready = False
@@ -22,18 +31,18 @@ def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
     # Called from inside llama_decode too (dozens of debug lines when a graph is rebuilt): lines
     # nobody reads are dropped before any work, unless REAME_LLAMA_VERBOSE asked for them.
     if level != t.GGML_LOG_LEVEL_CONT:
-        _log_state["level"] = level
-    if _log_state["level"] < t.GGML_LOG_LEVEL_WARN and not _llama_log.isEnabledFor(logging.DEBUG):
+        _log_state.level = level
+    if _log_state.level < t.GGML_LOG_LEVEL_WARN and not _llama_log.isEnabledFor(logging.DEBUG):
         return
     chunk = (text or b"").decode("utf-8", "replace")
-    _log_state["partial"] += chunk
-    if not _log_state["partial"].endswith("\n"):
+    _log_state.partial += chunk
+    if not _log_state.partial.endswith("\n"):
         return
-    line = _log_state["partial"].rstrip()
-    _log_state["partial"] = ""
+    line = _log_state.partial.rstrip()
+    _log_state.partial = ""
     if not line:
         return
-    level = _log_state["level"]
+    level = _log_state.level
     if level == t.GGML_LOG_LEVEL_ERROR:
         _recent_errors.append(line)
         _llama_log.error("%s", line)

@@ -283,7 +283,7 @@ class LlamaBackend:
             self._api.llama_model_meta_val_str(self._model, key.encode(), buffer, n + 1)
         return buffer.value.decode("utf-8", "replace")
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> dict[str, Any]:
         buffer = ctypes.create_string_buffer(256)
         self._api.llama_model_desc(self._model, buffer, 256)
         return {
@@ -306,6 +306,7 @@ class LlamaBackend:
         if n == 0 or n > self.n_batch:
             raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
         batch = self._batch
+        assert batch is not None, "allocated with the context"
         token_array, pos_array, seq_array, logit_array = batch.token, batch.pos, batch.seq_id, batch.logits
         for i in range(n):
             token_array[i] = tokens[i]
@@ -396,9 +397,6 @@ class LlamaBackend:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self._api.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
-
-    def seq_keep(self, seq_id: int) -> None:
-        self._api.llama_memory_seq_keep(self._memory, seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self._api.llama_memory_seq_pos_max(self._memory, seq_id)

@@ -43,7 +43,6 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
     <think>…</think> (its answers are split into reasoning_content and content)."""
     engine = loaded(model)
     n = fields.integer("n", 1, 1, MAX_CHOICES)
-    assert n is not None
     if len(prompts) * max(n, elect_among) > MAX_CHOICES:
         raise HttpError(400, f"a request asks at most {MAX_CHOICES} generations in all (prompts × n × best_of); "
                         f"this one asks {len(prompts) * max(n, elect_among)}", param="n", code="invalid_value")
@@ -136,8 +135,8 @@ def submit(app: Service, handler: Handler, model: ServedModel, requests: list[Ge
                                              "question": similar.match.question.text})
     elif similar is not None:
         app.metrics.add("reame_semantic_misses_total", model=model.name)
-    handles = engine.submit_together([request], sink)
-    return Submitted(handles, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text, finish,
+    computing = engine.submit_together([request], sink)
+    return Submitted(computing, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text, finish,
                                                                                 similar)), {})
 
 

@@ -176,15 +176,16 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "reame"
     sys_version = ""
-    server: Listener
+    server: Listener  # type: ignore[assignment]  # (the socketserver stubs say BaseServer: ours is one)
 
     owner = ""  # whose request this is: set by `authorized()`
     response_headers: dict[str, str]  # set by a route for the response it sends (X-Reame-Cache)
     leases: list[Any]  # the models a request holds: the app lets them go when the request ends
+    body: bytes | None  # the request's body, once read_body has read it
 
     def setup(self) -> None:
         settings = self.server.settings
-        self.timeout = settings.idle_timeout_s
+        self.timeout = settings.idle_timeout_s  # type: ignore[misc]  # (the stubs make it a class variable)
         self.body_read, self.body, self.response_started = False, None, False
         self.requests_served = 0
         super().setup()

@@ -236,16 +236,15 @@ class Sessions:
         and keep only its record (the next request reads it back)."""
         while True:
             with self._lock:
-                held = [(entry.used, key, entry) for key, entry in self._entries.items()
+                held = [(entry.used, key, entry, entry.session.state) for key, entry in self._entries.items()
                         if entry.session is not None and entry.session.state.blob]
-                if sum(len(entry.session.state.blob) for _, _, entry in held) <= self.limits.ram_bytes:
+                if sum(len(state.blob) for _, _, _, state in held) <= self.limits.ram_bytes:
                     return
                 idle = [item for item in held if not item[2].busy]
                 if not idle:
                     return
-                _, (owner, session_id), entry = min(idle, key=lambda item: item[0])
+                _, (owner, session_id), entry, state = min(idle, key=lambda item: item[0])
                 entry.busy = True  # held while it is written, as a save would hold it
-                state = entry.session.state  # type: ignore[union-attr]
             try:
                 self._write(owner, session_id, state)
                 with self._lock:

@@ -135,7 +135,7 @@ class Response:
             return None
         piece = self.token_piece
         if self.chat:
-            def entry(token: int, logprob: float) -> dict[str, Any]:
+            def entry(token: int, logprob: float | None) -> dict[str, Any]:
                 raw = piece(token)
                 return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
             return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(t, lp) for t, lp in e.top])

@@ -107,7 +107,7 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
         if thinking:
             yield Said(thinking=thinking)
         if isinstance(event, TokenEvent):
-            pieces = parser.feed(text) if parser is not None else [("content", text)]
+            pieces: list[tuple[str, Any]] = parser.feed(text) if parser is not None else [("content", text)]
             turn.handle.delivered()
         else:
             pieces = parser.feed(text) + parser.finish() if parser is not None else [("content", text)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 from reame.engine import SamplingParams
 from reame.engine.embeddings import MAX_INPUTS
@@ -37,7 +37,13 @@ class Fields:
             raise self.bad(name, "a boolean")
         return value
 
+    @overload
+    def integer(self, name: str, default: int, low: int | None = None, high: int | None = None) -> int: ...
+    @overload
+    def integer(self, name: str, default: None, low: int | None = None, high: int | None = None) -> int | None: ...
+
     def integer(self, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+        """The field `name` (absent or null: `default`), an integer within [low, high]; 400 otherwise."""
         value = self._get(name, default)
         if value is None:
             return None
@@ -132,10 +138,10 @@ def best_of(fields: Fields, chat: bool) -> int:
     if chat:
         attempts = extension(fields).integer("best_of", 1, 1, MAX_CHOICES)
     else:
-        attempts = fields.integer("best_of", None, 1, MAX_CHOICES)
-        if attempts is None or attempts == n:
+        asked = fields.integer("best_of", None, 1, MAX_CHOICES)
+        if asked is None or asked == n:
             return 1
-    assert attempts is not None
+        attempts = asked
     if attempts > 1 and n > 1:
         raise HttpError(400, "best_of elects one answer per prompt: use it with n = 1", param="best_of",
                         code="unsupported_parameter")

@@ -91,11 +91,6 @@ class CostModel:
             known = self._seconds.get(n_tokens)
             self._seconds[n_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
 
-    def step_seconds(self, n_tokens: int) -> float | None:
-        """Measured, or estimated for an untried size; None before any step was seen."""
-        curve = self.curve(n_tokens, n_tokens)
-        return curve[0] if curve is not None else None
-
     def measured(self, n_tokens: int) -> bool:
         with self._lock:
             return n_tokens in self._seconds
@@ -112,7 +107,7 @@ class CostModel:
         sizes = sorted(seconds)
         smallest = sizes[0]
         slope = PRIOR_SLOPE * seconds[smallest]
-        line_n, line_t = smallest, seconds[smallest]
+        line_n, line_t = float(smallest), seconds[smallest]
         if len(sizes) > 1:
             line_n = sum(sizes) / len(sizes)
             line_t = sum(seconds.values()) / len(sizes)

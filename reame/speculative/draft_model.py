@@ -127,15 +127,15 @@ class DraftModelDrafter:
         self.history.extend(tokens)
 
     def propose(self, limit: int) -> list[int]:
-        backend, history = self.model.backend, self.history
-        if self.failed or limit <= 0 or len(history) + 1 >= backend.n_ctx_seq:
+        backend, history, slot = self.model.backend, self.history, self.slot
+        if slot is None or self.failed or limit <= 0 or len(history) + 1 >= backend.n_ctx_seq:
             return []
         try:
-            pending = self._rewind()
+            pending = self._rewind(slot)
             caught_up = len(self.kv) + len(pending) == len(history)
             drafts: list[int] = []
             while pending:
-                if not self._feed(pending):
+                if not self._feed(slot, pending):
                     return []
                 if not caught_up:
                     return []  # the rest of the history is fed at the next proposals
@@ -152,23 +152,23 @@ class DraftModelDrafter:
             self.failed = True
             return []
 
-    def _rewind(self) -> list[int]:
+    def _rewind(self, slot: int) -> list[int]:
         """Drop the KV the history no longer agrees with (rejected drafts); return the next tokens
         to feed. The last history token is always fed, for its logits."""
         backend, kv = self.model.backend, self.kv
         keep = min(common_prefix(kv, self.history), len(self.history) - 1)
         if keep < len(kv):
-            if not backend.seq_rm(self.slot, keep, -1):
-                backend.seq_rm(self.slot)
+            if not backend.seq_rm(slot, keep, -1):
+                backend.seq_rm(slot)
                 keep = 0
             del kv[keep:]
         return self.history[keep:keep + CATCH_UP_TOKENS]
 
-    def _feed(self, tokens: list[int]) -> bool:
-        """Decode `tokens` after the slot's KV, with logits for the last; False when there is no room."""
+    def _feed(self, slot: int, tokens: list[int]) -> bool:
+        """Decode `tokens` after `slot`'s KV, with logits for the last; False when there is no room."""
         backend, kv = self.model.backend, self.kv
         start = len(kv)
-        batch = (tokens, range(start, start + len(tokens)), [self.slot] * len(tokens),
+        batch = (tokens, range(start, start + len(tokens)), [slot] * len(tokens),
                  [False] * (len(tokens) - 1) + [True])
         status = backend.decode(*batch)
         if status != DECODE_OK and self.model.evict_idle():

@@ -171,7 +171,7 @@ class ContinuationIndex:
         """Follow the continuation most candidates share, while more than AGREEMENT of them do: where
         earlier answers went different ways (a product's name after the same `Name:`), the draft stops.
         Also the candidates that followed it to its end."""
-        tokens, draft = self.tokens, []
+        tokens, draft = self.tokens, list[int]()
         while candidates and len(draft) < limit:
             counts = collections.Counter(tokens[p] for p in candidates if tokens[p] != SEPARATOR)
             if not counts:
@@ -222,10 +222,6 @@ class Palimpsest:
         self._attached: list[Closable] = []  # closed with it (the corpus link to other nodes)
         self._thread = threading.Thread(target=self._run, name="reame-palimpsest", daemon=True)
         self._thread.start()
-
-    def tokens_archived(self) -> int:
-        with self._lock:
-            return len(self._index) if self._index is not None else 0
 
     def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> PalimpsestDrafter:
         return PalimpsestDrafter(self, prompt)

@@ -243,7 +243,7 @@ class _Parser:
     def char_class(self, at: int) -> tuple[Chars, int]:
         negated = self.text.startswith("^", at)
         at += negated
-        ranges = []
+        ranges: list[tuple[int, int]] = []
         while True:
             if at >= len(self.text):
                 raise self.fail(at, "unterminated character class")

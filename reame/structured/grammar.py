@@ -143,6 +143,7 @@ class Grammar:
         height = len(stack)
         while height and stack[height - 1][2] == len(self.rules[stack[height - 1][0]][stack[height - 1][1]]):
             height -= 1  # finished alternatives pop, as many as have finished
+        result: frozenset[Stack]
         if height == 0:
             result = frozenset({()})
         elif height < len(stack):
@@ -150,8 +151,9 @@ class Grammar:
         else:
             rule, alternative, index = stack[-1]
             sequence = self.rules[rule][alternative]
-            if isinstance(sequence[index], Ref):
-                callee = sequence[index].rule
+            element = sequence[index]
+            if isinstance(element, Ref):
+                callee = element.rule
                 # In tail position the caller is done: pop it (right recursion stays one frame deep).
                 base = stack[:-1] if index + 1 == len(sequence) else stack[:-1] + ((rule, alternative, index + 1),)
                 found: set[Stack] = set()
@@ -284,7 +286,9 @@ class GrammarState:
             code = grammar.forced(stacks)
             if code is None:
                 code = grammar.forced(stacks, besides_whitespace=True)
-                habit = self.habits.get(before + chr(code)) if code is not None else None
+                if code is None:
+                    break
+                habit = self.habits.get(before + chr(code))
                 if habit is None or not habit.startswith(written):
                     break
                 rest = habit[len(written):]

@@ -198,13 +198,14 @@ class FakeSampler:
             total = sum(weights)
             if kind == "min_p":
                 return {t: candidates[t] for t, w in zip(ordered, weights) if w >= args[0]}
-            kept, mass = {}, 0.0
+            nucleus: dict[int, float] = {}
+            mass = 0.0
             for token, weight in zip(ordered, weights):
-                kept[token] = candidates[token]
+                nucleus[token] = candidates[token]
                 mass += weight / total
                 if mass >= args[0]:
                     break
-            return kept
+            return nucleus
         if kind == "temp":
             return {t: v / args[0] for t, v in candidates.items()}
         if kind in ("dist", "greedy"):
@@ -371,12 +372,14 @@ class FakeBackend:
         self.sampler_seq_ids.append(seq_id)
         return FakeSampler(steps)
 
-    def sample(self, sampler: FakeSampler, index: int) -> int:
+    def sample(self, sampler: object, index: int) -> int:
+        assert isinstance(sampler, FakeSampler), "a chain this backend made"
         token = sampler.pick(self.logits(index))
         sampler.accept(token)
         return token
 
-    def free_sampler(self, sampler: FakeSampler) -> None:
+    def free_sampler(self, sampler: object) -> None:
+        assert isinstance(sampler, FakeSampler), "a chain this backend made"
         sampler.steps = []
 
     def logits(self, index: int) -> list[float]:
@@ -409,10 +412,6 @@ class FakeBackend:
             raise ModelError("FakeBackend copies sequences from position 0 only")
         self._kv[dst] = list(cells[:end])
         self._cells[dst] = list(self._cells.get(src, [])[:end])
-
-    def seq_keep(self, seq_id: int) -> None:
-        self._kv = {seq_id: self._kv.get(seq_id, [])}
-        self._cells = {seq_id: self._cells.get(seq_id, [])}
 
     def seq_pos_max(self, seq_id: int) -> int:
         return len(self._kv.get(seq_id, [])) - 1

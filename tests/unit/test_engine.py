@@ -292,11 +292,11 @@ def test_a_session_prefills_only_what_the_next_turn_adds_with_identical_output()
         first = engine.generate(GenerationRequest(turn_one, params, session=session))
         # the last token is not in KV
         assert list(session.state.tokens) == backend.tokenize(turn_one) + first.tokens[:-1]
-        turn_two = turn_one + first.text + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
-        engine.forget_idle_kv()  # the slot forgets; only the session remembers
-        calls_before = len(backend.decode_calls)
+    turn_two = turn_one + first.text + "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+    backend = FakeBackend()  # a restart: the slots forget; only the session remembers
+    with Engine(backend) as engine:
         second = engine.generate(GenerationRequest(turn_two, params, session=session))
-        fed = sum(len(call) for call in backend.decode_calls[calls_before:])
+        fed = sum(len(call) for call in backend.decode_calls)
     prompt_two = backend.tokenize(turn_two)
     cached = second.finish.usage.cached_tokens
     assert cached == len(backend.tokenize(turn_one)) + len(first.tokens) - 1

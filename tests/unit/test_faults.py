@@ -117,7 +117,7 @@ def test_a_full_disk_keeps_the_server_answering_and_says_so(tiny_disk, caplog):
                 document = f"document number {index} with enough words to be snapshotted. " * 40
                 status, body = server.json("POST", "/v1/completions", {"prompt": document, "max_tokens": 2})
                 assert status == 200
-            engine.call(lambda: None)  # let the writer catch up: the engine is idle now
+            assert engine.idle.wait(10)  # every answer has ended, and its snapshots are queued to the writer
             cache.close()  # flushes the writer queue
             metrics = server.request("GET", "/metrics")[1].decode()
         finally:

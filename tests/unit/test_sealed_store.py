@@ -44,6 +44,15 @@ def test_a_value_is_used_only_under_the_key_and_the_secret_it_was_sealed_with(po
     assert sealed.refused == 4
 
 
+def test_a_sealed_store_reports_its_stores_failures(tmp_path):
+    """The corpus reader asks its store how often it was down when a read finds nothing (to back off): over
+    a sealed store that question used to end the reader thread."""
+    with arca_thread(tmp_path) as store_port:
+        sealed = SealedStore(client(store_port), SECRET)
+        assert sealed.xread(b"s", b"0", 10, None) == [] and sealed.failures == 0
+    assert sealed.get(b"k") is None and sealed.failures == 1  # the store has gone
+
+
 def test_stream_entries_without_the_fleets_tag_are_skipped(port):
     sealed, raw = SealedStore(client(port), SECRET), client(port)
     assert sealed.xadd(b"s", {b"q": b"When do you open?", b"a": b"reame:answer:1"}, 100)

@@ -13,6 +13,12 @@ from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expec
 COPY_TEXT = "the cat sat on the mat and the dog sat on the log; "
 
 
+def step_seconds(cost: CostModel, n_tokens: int) -> float | None:
+    """A size's step cost as the controller sees it: measured, or estimated; None before any step."""
+    curve = cost.curve(n_tokens, n_tokens)
+    return curve[0] if curve is not None else None
+
+
 def copying_rule(history):
     """Like an induction head: continue what followed the last occurrence of the last two tokens."""
     for start in range(len(history) - 3, -1, -1):
@@ -273,15 +279,15 @@ def test_expected_tokens_and_the_measured_step_costs():
     assert expected_tokens(1.0, 5) == 6.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     cost = CostModel()
-    assert cost.step_seconds(3) is None
+    assert step_seconds(cost, 3) is None
     cost.observe(1, 0.05)
-    assert cost.step_seconds(3) is None, "a size's first step is not counted: its graph was built then"
+    assert step_seconds(cost, 3) is None, "a size's first step is not counted: its graph was built then"
     cost.observe(1, 0.04)
-    assert cost.step_seconds(5) == pytest.approx(0.04 * 3), "one size known: extra tokens cost half of it"
+    assert step_seconds(cost, 5) == pytest.approx(0.04 * 3), "one size known: extra tokens cost half of it"
     measured(cost, 4, 0.08, 0.18)
-    assert cost.step_seconds(4) == pytest.approx(0.08 + 0.2 * 0.1)
-    assert cost.step_seconds(7) == pytest.approx(0.1 + 0.02 * 3), "beyond: the line through what was measured"
-    assert cost.step_seconds(1) == 0.04
+    assert step_seconds(cost, 4) == pytest.approx(0.08 + 0.2 * 0.1)
+    assert step_seconds(cost, 7) == pytest.approx(0.1 + 0.02 * 3), "beyond: the line through what was measured"
+    assert step_seconds(cost, 1) == 0.04
 
 
 def test_costs_below_every_measured_size_and_long_prefills_stay_sane():
@@ -290,9 +296,9 @@ def test_costs_below_every_measured_size_and_long_prefills_stay_sane():
         cost = CostModel()
         measured(cost, prompt_tokens, 0.3)
         measured(cost, 500, 9.0)  # a long prefill is not modelled
-        assert all(cost.step_seconds(n) > 0 for n in range(1, 40))
+        assert all(step_seconds(cost, n) > 0 for n in range(1, 40))
         assert DraftController(max_draft=16).draft_length(cost, 1) >= 0
-    assert CostModel().step_seconds(1) is None
+    assert step_seconds(CostModel(), 1) is None
 
 
 def test_penalised_requests_speculate_with_their_penalties_applied_token_by_token():
@@ -362,7 +368,7 @@ def test_a_size_measured_too_slow_once_is_forgotten_and_tried_again():
     assert controller.draft_length(cost, 1) == 0
     for _ in range(COST_MEMORY_STEPS + 1):
         cost.observe(1, 0.1)  # plain steps go on; size 2 is never used, so never measured again
-    assert cost.step_seconds(2) == pytest.approx(0.15), "forgotten: estimated from one-token steps again"
+    assert step_seconds(cost, 2) == pytest.approx(0.15), "forgotten: estimated from one-token steps again"
     assert controller.draft_length(cost, 1) > 0
 
 
