@@ -135,7 +135,7 @@ KEYS: tuple[Key, ...] = (
         "go first); 0 = none on disk", minimum=0),
     Key("cache.semantic", "bool", False, "answer a chat question from the kept answer of an earlier question of "
         "the same meaning (same conversation around it, same settings); needs cache.answers; off by default: "
-        "docs/caching.md has the study"),
+        "docs/cache.md#semantic-answers-opt-in has the study"),
     Key("cache.semantic_threshold", "float", 0.98, "how similar (cosine) a question must be to a kept one to get its "
         "answer; the default is the lowest with no false hit in bench/semantic_cache.py", minimum=0, maximum=1),
     Key("cache.semantic_model", "str", "all-minilm-l6-v2", "the embedding model of the semantic cache (catalog "

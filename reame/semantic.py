@@ -8,7 +8,7 @@ answer in the exact answer cache (reame/answers.py), which holds the text: no an
 question is answered from the cache when its nearest kept question is at least `threshold` similar
 (cosine of unit vectors) and both say the same numbers and both or neither negate: an embedding barely
 tells "10 days" from "60 days" or "open" from "not open" (bench/semantic_cache.py measured it), and that
-check is cheap. It cannot tell "open" from "close": docs/caching.md says what the study found and why
+check is cheap. It cannot tell "open" from "close": docs/cache.md (Semantic answers) says what the study found and why
 the cache is off by default.
 
 Vectors of different embedding models are not comparable: the embedder's identity is part of the scope.

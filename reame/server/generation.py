@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from dataclasses import dataclass
 import random
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from reame.conclave import Ballot, attempts
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
-from reame.errors import EngineUnavailable, OverloadedError, RequestError
+from reame.errors import OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
-from reame.server.answers import AnswerTap, StoredAnswer, replayed
+from reame.server.answers import StoredAnswer
+from reame.server.exchange import EngineGone, Submitted, account, events, shape, submit
 from reame.server.http import Handler, HttpError
-from reame.server.semantic import Lookup, Question, look_up
-from reame.server.models import ServedModel
-from reame.server.service import POLL_S, Service, engine_gone, failure, loaded, refusal
+from reame.server.models import ServedModel, loaded
+from reame.server.semantic import Question
+from reame.server.service import Service, as_http_error, failure, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,
                                      semantic_cache_allowed, stream_usage)
@@ -29,9 +29,7 @@ from reame.structured.thinking import ThinkingSplitter
 from reame.structured.tools import ToolRequest, tool_parser
 
 
-# hit, semantic (a kept answer to a question of the same meaning), miss; bypass (a request the cache
-# cannot or may not answer); off
-CACHE_HEADER = "X-Reame-Cache"
+CACHE_HEADER = "X-Reame-Cache"  # where the answer came from (exchange.CACHE_ states)
 
 
 def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel, prompts: list[Any],
@@ -76,11 +74,12 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
         cacheable = len(requests) == 1 and session is None and logprobs is None and \
             (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
         try:
-            submitted = submit(app, handler, model, requests, sink, cacheable, shape(chat, tools),
-                               question if semantic_cache_allowed(fields) else None)
+            submitted = submit(app, model, requests, sink, cacheable, shape(chat, tools),
+                               question if semantic_cache_allowed(fields) else None, handler.client_gone)
         except (RequestError, OverloadedError) as error:
             raise refusal(error, "messages" if chat else "prompt") from None
-        handles, sink, marks = submitted.handles, submitted.events, submitted.marks
+        handler.response_headers[CACHE_HEADER] = submitted.cache
+        handles = submitted.handles
         group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
         prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
         echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
@@ -89,85 +88,13 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
         choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer),
                           thinker=ThinkingSplitter.for_prompt(echo_text(engine, prompts[i // group]))
                           if thinks else None) for i, handle in enumerate(handles)]
+        answer = Answer(app, handler, model, submitted, response, choices, echoes, prompt_tokens, release_session)
         if stream:
-            stream_answer(app, handler, model, response, sink, handles, choices, echoes, prompt_tokens,
-                          include_usage, release_session)
+            stream_answer(answer, include_usage)
         else:
-            ballot = Ballot(handles, elect_among) if elect_among > 1 else None
-            collect_answer(app, handler, model, response, sink, handles, choices, echoes, prompt_tokens,
-                           release_session, ballot, marks)
+            collect_answer(answer, Ballot(handles, elect_among) if elect_among > 1 else None)
     finally:
         release_session()
-
-
-@dataclass
-class Submitted:
-    handles: list  # the engine's handles, or one StoredAnswer
-    events: Any  # where their events arrive (the sink, or a tap that keeps the answer when it ends)
-    marks: dict[str, Any]  # the answer's `reame` object: where it came from (empty: computed)
-
-
-def submit(app: Service, handler: Handler, model: ServedModel, requests: list[GenerationRequest],
-           sink: queue.SimpleQueue, cacheable: bool, kind: str, question: Question | None = None) -> Submitted:
-    """Submit `requests` to the model's engine together, or answer the one cacheable request from its exact
-    answer cache, then the semantic one (with `question`); a computed cacheable answer is kept when it ends.
-    `kind`: the shape (chat or completion, tools offered), part of the key. Sets X-Reame-Cache. RequestError,
-    OverloadedError as the engine raises them."""
-    engine, answers = loaded(model), model.answers
-    handler.response_headers[CACHE_HEADER] = "off" if answers is None else "bypass"
-    if not cacheable or answers is None:
-        return Submitted(engine.submit_together(requests, sink), sink, {})
-    # Tokenized once: the key is over the tokens, and the engine gets them as they are.
-    tokens = engine.prompt_tokens(requests[0])
-    request = dataclasses.replace(requests[0], prompt=tokens, suffix=None)
-    answer_key = answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
-    handles = kept_answer(app, model, tokens, answer_key, sink, "answers")
-    handler.response_headers[CACHE_HEADER] = "miss" if handles is None else "hit"
-    if handles is not None:
-        return Submitted(handles, sink, {})
-    similar = look_up(app, model, handler, question, request.params, kind) \
-        if question is not None and model.semantic is not None else None
-    if similar is not None and similar.match is not None:
-        handles = kept_answer(app, model, tokens, similar.match.question.answer_key, sink, "semantic")
-        if handles is not None:
-            handler.response_headers[CACHE_HEADER] = "semantic"
-            return Submitted(handles, sink, {"cache": "semantic", "similarity": round(similar.match.similarity, 4),
-                                             "question": similar.match.question.text})
-    elif similar is not None:
-        app.metrics.add("reame_semantic_misses_total", model=model.name)
-    computing = engine.submit_together([request], sink)
-    return Submitted(computing, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text, finish,
-                                                                                similar)), {})
-
-
-def shape(chat: bool, tools: ToolRequest | None) -> str:
-    """What else the server does with the generated text: part of a cache key."""
-    return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
-
-
-def kept_answer(app: Service, model: ServedModel, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
-                cache: str) -> list[StoredAnswer] | None:
-    """The answer the model's cache keeps under `key` as the engine's events, or None on a miss (counted
-    either way, as a lookup of `cache`: answers or semantic)."""
-    assert model.answers is not None
-    cached = model.answers.get(key)
-    app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total", model=model.name)
-    if cached is None:
-        return None
-    for event in replayed(cached.text, loaded(model).backend):
-        sink.put((0, event))
-    sink.put((0, cached.finish(len(tokens))))
-    return [StoredAnswer(tokens)]
-
-
-def keep_answer(app: Service, model: ServedModel, key: bytes, text: str, finish: FinishEvent,
-                question: Lookup | None) -> None:
-    """Keep a computed answer; with `question` (the semantic cache looked it up), the question too."""
-    assert model.answers is not None
-    if model.answers.put(key, text, finish):
-        app.metrics.add("reame_answers_stored_total", model=model.name)
-        if question is not None and model.semantic is not None:
-            model.semantic.index.add(question.scope, question.question, question.vector, key)
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
@@ -184,40 +111,48 @@ def echo_text(engine: Engine, prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else engine.backend.detokenize(prompt)
 
 
-def collect_answer(app: Service, handler: Handler, model: ServedModel, response: "Response", sink: queue.SimpleQueue,
-            handles: list,
-            choices: list[Choice], echoes: list[str], prompt_tokens: int, finished: Callable[[], None],
-            ballot: Ballot | None = None, marks: dict[str, Any] | None = None) -> None:
+@dataclass
+class Answer:
+    """One OpenAI answer being made: its exchange (submitted), how it is shaped, its choices' state, and
+    `finished`, called once every choice has ended (it releases the session)."""
+
+    app: Service
+    handler: Handler
+    model: ServedModel
+    submitted: Submitted
+    response: Response
+    choices: list[Choice]
+    echoes: list[str]
+    prompt_tokens: int
+    finished: Callable[[], None]
+
+    def events(self) -> Iterator[tuple[int, TokenEvent | FinishEvent] | EngineGone]:
+        return events(self.app, self.model, self.submitted, self.handler.client_gone)
+
+
+def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
     """The whole answer once every choice ended; with `ballot`, one elected per prompt among its attempts
-    (each votes as it ends, a prompt's others stop once its majority is certain); `marks`: the answer's
-    `reame` object (where it came from)."""
-    for choice, echo in zip(choices, echoes):
+    (each votes as it ends, a prompt's others stop once its majority is certain)."""
+    app, choices, response = answer.app, answer.choices, answer.response
+    for choice, echo in zip(choices, answer.echoes):
         choice.pieces.append(echo)
-    remaining = len(handles)
-    checked = time.monotonic()
-    while remaining:
-        tag, event = app.next_event(model, sink)
-        if time.monotonic() - checked >= POLL_S:
-            checked = time.monotonic()
-            if handler.client_gone():
-                for handle in handles:
-                    handle.cancel()
-                handler.close_connection = True
-                return
-        if event is None:
-            continue
+    for item in answer.events():
+        if isinstance(item, EngineGone):
+            raise as_http_error(item.error)
+        tag, event = item
         choices[tag].pieces.append(choices[tag].split(event.text, isinstance(event, FinishEvent))[1])
         if isinstance(event, TokenEvent):
             if event.logprob is not None:
                 choices[tag].tokens.append(event)
-        else:
-            choices[tag].finish = event
-            remaining -= 1
-            if ballot is not None and ballot.finished(tag, choices[tag].text, event.reason,
-                                                      event.usage.completion_tokens):
-                app.metrics.add("reame_conclave_early_stops_total")
-    finished()
-    app.account(model, choices)
+            continue
+        choices[tag].finish = event
+        if ballot is not None and ballot.finished(tag, choices[tag].text, event.reason,
+                                                  event.usage.completion_tokens):
+            app.metrics.add("reame_conclave_early_stops_total")
+    if any(choice.finish is None for choice in choices):
+        return  # the client left
+    answer.finished()
+    account(app, answer.model, choices)
     for choice in choices:
         if choice.parser is not None:  # the text becomes content and tool calls
             said = choice.parser.feed(choice.text) + choice.parser.finish()
@@ -229,36 +164,37 @@ def collect_answer(app: Service, handler: Handler, model: ServedModel, response:
         if failed is not None:
             raise failed
     if ballot is None:
-        body = response.whole(choices, prompt_tokens)
-        if marks:
-            body["reame"] = marks
-        handler.send_json(200, body)
+        body = response.whole(choices, answer.prompt_tokens)
+        if answer.submitted.marks:
+            body["reame"] = answer.submitted.marks
+        answer.handler.send_json(200, body)
         return
     verdicts = ballot.verdicts()
     size = ballot.group
     body = response.whole([choices[i * size + verdict.winner] for i, verdict in enumerate(verdicts)],
-                          prompt_tokens)
-    body["usage"] = response.usage(choices, prompt_tokens)  # every attempt's tokens were generated
+                          answer.prompt_tokens)
+    body["usage"] = response.usage(choices, answer.prompt_tokens)  # every attempt's tokens were generated
     body["reame"] = {"conclave": [verdict.summary() for verdict in verdicts]}
     app.metrics.add("reame_conclave_elections_total", len(verdicts))
-    handler.send_json(200, body)
+    answer.handler.send_json(200, body)
 
 
-def stream_answer(app: Service, handler: Handler, model: ServedModel, response: "Response", sink: queue.SimpleQueue,
-           handles: list,
-           choices: list[Choice], echoes: list[str], prompt_tokens: int, include_usage: bool,
-           finished: Callable[[], None]) -> None:
+def stream_answer(answer: Answer, include_usage: bool) -> None:
+    handler, response, choices = answer.handler, answer.response, answer.choices
     handler.start_sse()
     try:
-        for index, echo in enumerate(echoes):
+        for index, echo in enumerate(answer.echoes):
             first = response.first_chunk(index, echo)
             if first is not None:
                 handler.send_event(first)
-        remaining = len(handles)
-        while remaining:
-            tag, event = app.next_event(model, sink)
-            if event is None:
-                continue
+        remaining = len(choices)
+        for item in answer.events():
+            if isinstance(item, EngineGone):  # the stream has begun: the error goes in it, and it ends
+                failed = failure(item.finish(answer.prompt_tokens))
+                assert failed is not None
+                handler.send_event(failed.body())
+                return
+            tag, event = item
             choice = choices[tag]
             thinking, text = choice.split(event.text, isinstance(event, FinishEvent))
             if thinking:
@@ -273,12 +209,11 @@ def stream_answer(app: Service, handler: Handler, model: ServedModel, response: 
                 elif text:  # held-back tokens' logprobs ride along with the next chunk
                     handler.send_event(response.chunk(tag, text, tokens=choice.tokens))
                     choice.tokens = []
-                handles[tag].delivered()
                 continue
             choice.finish = event
             remaining -= 1
             if not remaining:
-                finished()
+                answer.finished()
             failed = failure(event)
             if failed is not None:
                 handler.send_event(failed.body())
@@ -287,17 +222,15 @@ def stream_answer(app: Service, handler: Handler, model: ServedModel, response: 
                 send_said(handler, response, tag, choice, choice.parser.feed(text) + choice.parser.finish())
                 text = ""
             handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
-        app.account(model, choices)
+        if remaining:
+            return  # the client left
+        account(answer.app, answer.model, choices)
         if include_usage:
-            handler.send_event(response.usage_chunk(choices, prompt_tokens))
+            handler.send_event(response.usage_chunk(choices, answer.prompt_tokens))
         handler.send_event("[DONE]")
     except OSError:  # the client went away: stop generating for it
-        for handle in handles:
+        for handle in answer.submitted.handles:
             handle.cancel()
-    except EngineUnavailable as error:  # the stream has begun: the error goes in it, and it ends
-        failed = failure(engine_gone(error, prompt_tokens))
-        assert failed is not None
-        handler.send_event(failed.body())
 
 
 def send_said(handler: Handler, response: Response, tag: int, choice: Choice,

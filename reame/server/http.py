@@ -456,7 +456,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def client_gone(self) -> bool:
-        """True when the client closed its end (checked while a non-streamed answer is computed)."""
+        """True when the client closed its end (checked while an answer is computed); the connection is then
+        closed once the request ends."""
         if self.server.stopping:
             return False  # our own shutdown(SHUT_RD) looks like a close: let the answer finish
         try:  # poll(), not select(): select fails for a socket numbered 1024 or above
@@ -464,11 +465,14 @@ class Handler(BaseHTTPRequestHandler):
             poller.register(self.connection, select.POLLIN | select.POLLHUP | select.POLLERR)
             if not poller.poll(0):
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            gone = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return False
         except (OSError, ValueError):
-            return True
+            gone = True
+        if gone:
+            self.close_connection = True
+        return gone
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
         if self.server.settings.request_log:

@@ -357,3 +357,9 @@ class ModelPool:
                 model.engine, model.state, model.draining, model.expires = None, "unloaded", False, None
                 self.unloads += 1
                 self._lock.notify_all()
+
+
+def loaded(model: ServedModel) -> Engine:
+    """The engine of a model the caller holds (Service.model acquired it: it stays loaded until released)."""
+    assert model.engine is not None, "a held model is loaded"
+    return model.engine

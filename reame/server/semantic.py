@@ -11,9 +11,7 @@ from typing import Any
 from reame.engine import SamplingParams
 from reame.errors import ReameError
 from reame.semantic import MAX_QUESTION_CHARS, Match, canonical
-from reame.server.http import Handler, HttpError
-from reame.server.models import ServedModel
-from reame.server.service import Service, loaded
+from reame.server.models import ServedModel, loaded
 
 log = logging.getLogger("reame.server")
 
@@ -44,10 +42,11 @@ def chat_question(messages: Sequence[dict[str, Any]], render: Callable[[list[dic
     return Question(text, render([*messages[:-1], {**last, "content": PLACEHOLDER}]))
 
 
-def look_up(app: Service, model: ServedModel, handler: Handler, question: Question, params: SamplingParams,
-            shape: str) -> Lookup | None:
+def look_up(model: ServedModel, served_embedding: Callable[[list[int]], list[list[float]] | None],
+            question: Question, params: SamplingParams, shape: str) -> Lookup | None:
     """The kept question nearest to `question` in its scope (match None: none close enough); None when the
-    question could not be embedded (the request is then computed as if the cache were off)."""
+    question could not be embedded (the request is then computed as if the cache were off). Without an
+    embedder of its own, the cache asks `served_embedding` for the served model's (None: the client left)."""
     semantic = model.semantic
     assert semantic is not None
     try:
@@ -58,11 +57,11 @@ def look_up(app: Service, model: ServedModel, handler: Handler, question: Questi
         else:  # the served model's embedding, computed by its engine between steps
             backend = loaded(model).backend
             tokens = backend.tokenize(text, add_special=True, parse_special=False)
-            vectors = app.embeddings(handler, model, [tokens[:backend.embedding_context_tokens]])
+            vectors = served_embedding(tokens[:backend.embedding_context_tokens])
             if vectors is None:
                 return None  # the client left
             vector = vectors[0]
-    except (ReameError, HttpError) as error:
+    except ReameError as error:
         log.warning("semantic cache: the question was not embedded (%s)", error)
         return None
     index = semantic.index

@@ -1,26 +1,22 @@
 """What every API family shares: the served models (each with its engine while loaded, its sessions and answer
-caches), the metrics, and the small rules of waiting on an engine. The App (app.py) is a Service with routes."""
+caches), the metrics, and the HTTP answers to what the layers below raise. The App (app.py) is a Service with
+routes."""
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
 from typing import Any
 
-from reame.engine import Engine, FinishEvent, Usage
-from reame.engine.request import FINISH_ERROR
+from reame.engine import FinishEvent
 from reame.engine.kv import KvStats
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.conversations import Conversations
+from reame.server.exchange import ENGINE_UNAVAILABLE, embedded
 from reame.server.http import Handler, HttpError, ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.models import ModelPool, ModelUnavailable, ServedModel, UnknownModel
 from reame.server.sessions import SessionError, Sessions
-from reame.server.shapes import Choice
-
-POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
-ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose model's engine died
 
 
 class Service:
@@ -123,45 +119,15 @@ class Service:
         except (RequestError, OverloadedError) as error:
             raise refusal(error) from None
 
-    def embeddings(self, handler: Handler, model: ServedModel, inputs: list[list[int]]) -> list[list[float]] | None:
-        """Unit vectors of token inputs, computed by the model's engine between its steps; None when the client
-        left meanwhile (its connection is then closed). 400/429 when refused, 500 when the model failed."""
-        engine = loaded(model)
-        job = self.submit_checked(lambda: engine.embed(inputs))
+    def embeddings(self, gone: Callable[[], bool], model: ServedModel,
+                   inputs: list[list[int]]) -> list[list[float]] | None:
+        """exchange.embedded, its refusals 400 or 429 and a failed model 500."""
         try:
-            while not job.done.wait(POLL_S):
-                self.models.check(model)
-                if handler.client_gone():
-                    handler.close_connection = True
-                    return None
-        finally:
-            if not job.done.is_set():
-                job.cancel()  # no one waits for the rest: the engine drops it before its next batch
-        try:
-            return job.result(0)
+            return embedded(self, model, inputs, gone)
+        except (RequestError, OverloadedError) as error:
+            raise refusal(error) from None
         except ModelError as error:
             raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
-
-    def next_event(self, model: ServedModel, sink: queue.SimpleQueue) -> tuple[int, Any]:
-        """The next (tag, event) of a request's sink, or (-1, None) after POLL_S without one. Never waits
-        forever: EngineUnavailable when the model's engine failed meanwhile."""
-        try:
-            return sink.get(timeout=POLL_S)
-        except queue.Empty:
-            self.models.check(model)
-            return -1, None
-
-    def account(self, model: ServedModel, choices: list[Choice]) -> None:
-        for choice in choices:
-            if choice.finish is None or not choice.computed:
-                continue  # a kept answer counts in reame_answers_hits_total only
-            usage = choice.finish.usage
-            self.metrics.add("reame_generations_total", model=model.name)
-            self.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens, model=model.name)
-            self.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens, model=model.name)
-            self.metrics.add("reame_generated_tokens_total", usage.completion_tokens, model=model.name)
-            self.metrics.add("reame_prompt_seconds_total", usage.prompt_seconds, model=model.name)
-            self.metrics.add("reame_generation_seconds_total", usage.decode_seconds, model=model.name)
 
     def model_card(self, model: ServedModel) -> dict[str, Any]:
         """A model as /v1/models lists it: OpenAI's fields, then Reame's (loaded or not, its aliases, context
@@ -174,12 +140,6 @@ class Service:
                           "architecture": facts.architecture, "parameter_size": facts.parameter_size}}
 
 
-def loaded(model: ServedModel) -> Engine:
-    """The engine of a model the caller holds (Service.model acquired it: it stays loaded until released)."""
-    assert model.engine is not None, "a held model is loaded"
-    return model.engine
-
-
 def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestError) -> HttpError:
     """The HTTP answer to an error of the layers below: bad input (a RequestError, from structured output
     say) is a 400 naming its field."""
@@ -190,12 +150,6 @@ def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestE
     if isinstance(error, EngineUnavailable):
         return HttpError(503, str(error), "server_error", ENGINE_UNAVAILABLE, headers={"Retry-After": "5"})
     return error
-
-
-def engine_gone(error: EngineUnavailable, prompt_tokens: int) -> FinishEvent:
-    """How an answer ends when its model's engine died before telling it: an error that `failure` makes
-    a 503 (each API family says it in its own stream's error event once its stream has begun)."""
-    return FinishEvent(FINISH_ERROR, Usage(prompt_tokens, 0, 0.0, 0.0), message=str(error), code=ENGINE_UNAVAILABLE)
 
 
 def failure(finish: FinishEvent) -> HttpError | None:

@@ -1,21 +1,23 @@
-"""One answer, as the API families after OpenAI's completions shape it (Ollama's, and the next): a single
-generation submitted through the same caches (generation.submit), and what it says as it comes — text,
-tool calls — then how it ended. Each family turns these into its own stream or whole answer."""
+"""One answer, as the API families after OpenAI's completions shape it (Ollama's, Anthropic's, Responses): a
+single generation submitted through the exchange (exchange.py), and what it says as it comes — text,
+thinking, tool calls — then how it ended. Each family turns these into its own stream or whole answer."""
 
 from __future__ import annotations
 
 import queue
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
-from reame.errors import EngineUnavailable, OverloadedError, RequestError
-from reame.server.generation import StoredAnswer, submit
+from reame.errors import OverloadedError, RequestError
+from reame.server.answers import StoredAnswer
+from reame.server.exchange import EngineGone, Submitted, account, events, submit
+from reame.server.generation import CACHE_HEADER
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel
 from reame.server.semantic import Question
-from reame.server.service import Service, engine_gone, failure, refusal
+from reame.server.service import Service, failure, refusal
 from reame.server.shapes import Choice
 from reame.structured.thinking import ThinkingSplitter
 from reame.structured.requested import forced_tool_grammar
@@ -35,11 +37,18 @@ class Said:
 @dataclass
 class Turn:
     model: ServedModel
-    handle: Any
-    events: Any
+    submitted: Submitted
     choice: Choice
-    marks: dict[str, Any] = field(default_factory=dict)  # where a kept answer came from
     prompt_tokens: int = 0
+
+    @property
+    def handle(self) -> Any:
+        return self.submitted.handles[0]
+
+    @property
+    def marks(self) -> dict[str, Any]:
+        """Where a kept answer came from."""
+        return self.submitted.marks
 
     @property
     def cached(self) -> bool:
@@ -74,13 +83,14 @@ def start(app: Service, handler: Handler, model: ServedModel, request: Generatio
     """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses.
     `thinks`: the model thinks in <think>…</think>, said apart from the answer."""
     try:
-        submitted = submit(app, handler, model, [request], queue.SimpleQueue(), cacheable, kind, question)
+        submitted = submit(app, model, [request], queue.SimpleQueue(), cacheable, kind, question, handler.client_gone)
     except (RequestError, OverloadedError) as error:
         raise refusal(error, prompt_param) from None
+    handler.response_headers[CACHE_HEADER] = submitted.cache
     handle = submitted.handles[0]
     thinker = ThinkingSplitter.for_prompt(request.prompt) if thinks and isinstance(request.prompt, str) else None
     choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer), thinker=thinker)
-    return Turn(model, handle, submitted.events, choice, submitted.marks, len(handle.prompt_tokens))
+    return Turn(model, submitted, choice, len(handle.prompt_tokens))
 
 
 def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
@@ -88,19 +98,12 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
     meanwhile ends it as an error, engine_unavailable). Stops, cancelling the generation, when the client
     goes away."""
     choice = turn.choice
-    while True:
-        try:
-            _, event = app.next_event(turn.model, turn.events)
-        except EngineUnavailable as error:  # the engine died: the answer ends in an error every family can say
-            choice.finish = engine_gone(error, turn.prompt_tokens)
+    for item in events(app, turn.model, turn.submitted, handler.client_gone):
+        if isinstance(item, EngineGone):  # the answer ends in an error every family can say
+            choice.finish = item.finish(turn.prompt_tokens)
             yield Said(finish=choice.finish)
             return
-        if event is None:
-            if handler.client_gone():
-                turn.handle.cancel()
-                handler.close_connection = True
-                return
-            continue
+        _, event = item
         parser = choice.parser
         final = isinstance(event, FinishEvent)
         thinking, text = choice.split(event.text, final)
@@ -108,18 +111,17 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
             yield Said(thinking=thinking)
         if isinstance(event, TokenEvent):
             pieces: list[tuple[str, Any]] = parser.feed(text) if parser is not None else [("content", text)]
-            turn.handle.delivered()
         else:
             pieces = parser.feed(text) + parser.finish() if parser is not None else [("content", text)]
-        for kind, item in pieces:
-            if kind == "content" and item:
-                choice.pieces.append(item)
-                yield Said(text=item)
+        for kind, piece in pieces:
+            if kind == "content" and piece:
+                choice.pieces.append(piece)
+                yield Said(text=piece)
             elif kind != "content":
-                yield Said(call=item)
+                yield Said(call=piece)
         if isinstance(event, FinishEvent):
             choice.finish = event
-            app.account(turn.model, [choice])
+            account(app, turn.model, [choice])
             yield Said(finish=event)
             return
 

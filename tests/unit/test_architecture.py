@@ -104,3 +104,24 @@ def test_the_checks_would_see_a_circle_and_an_upward_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     table = floors()
     assert floor_of("reame.model.backend", table) > floor_of("reame.engine.scheduler", table)
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_below_the_api_encoders_nothing_imports_the_http_transport():
+    """Inside reame/server the exchange (a request's life after parsing) and what it stands on know no HTTP:
+    the API families encode its items into their own streams, so each can be tested without sockets."""
+    graph = imports()
+    below = {"reame.server.exchange", *reached(graph, "reame.server.exchange")}
+    assert "reame.server.exchange" in graph and not {"reame.server.http"} & below
+    assert {"reame.server.http", "reame.server.service"} & reached(graph, "reame.server.generation"), \
+        "the check sees an encoder's import of the transport"

@@ -2,7 +2,7 @@
 the tools built on it (agent SDKs, anything that lets users set ANTHROPIC_BASE_URL): system, multi-turn
 text, `tool_use` and `tool_result` blocks, tools and tool_choice, stop sequences, `output_config.format`
 (a JSON schema), streaming with Anthropic's event sequence, usage, Anthropic's error shape; `x-api-key`
-authenticates as a bearer key does. The same engine and caches as every route (generation.submit,
+authenticates as a bearer key does. The same engine and caches as every route (exchange.py,
 turn.py). Today's SDK sends no sampling settings (Anthropic's default temperature, 1.0, applies); older
 clients' `temperature`, `top_p` and `top_k` are read.
 """
@@ -18,8 +18,9 @@ from reame.engine import Engine, FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.generation import shape
-from reame.server.service import Service, failure, loaded
+from reame.server.exchange import shape
+from reame.server.models import loaded
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
 from reame.structured.json_schema import schema_to_gbnf
 from reame.structured.requested import checked

@@ -30,9 +30,9 @@ from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
-from reame.server.generation import shape
-from reame.server.models import FOREVER, ServedModel
-from reame.server.service import Service, failure, loaded
+from reame.server.exchange import shape
+from reame.server.models import FOREVER, ServedModel, loaded
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, embedding_count, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
@@ -364,7 +364,7 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     served, waited = held(app, handler, name, keep_alive)
     backend = loaded(served).backend
     tokens = [backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
-    vectors = app.embeddings(handler, served, tokens)
+    vectors = app.embeddings(handler.client_gone, served, tokens)
     if vectors is None:
         return
     if older:

@@ -12,10 +12,12 @@ from typing import Any
 
 from reame.engine import FinishEvent, GenerationRequest
 from reame.server import generation, turn
+from reame.server.exchange import CACHE_BYPASS, EngineGone, Submitted, events
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
 from reame.server.semantic import chat_question
-from reame.server.service import POLL_S, Service, loaded
+from reame.server.models import loaded
+from reame.server.service import Service, as_http_error
 from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts, embedding_inputs,
                                      requested_model)
 from reame.structured.requested import requested_grammar
@@ -56,17 +58,15 @@ def warm(app: Service, handler: Handler, _path: str) -> None:
         handler.send_json(200, {"object": "warm", "warmed": False, "tokens": len(tokens), "cached_tokens": 0,
                                 "message": "the prefix cache is off on this server"})
         return
-    handle = app.submit_checked(lambda: engine.submit(request))
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    handle = app.submit_checked(lambda: engine.submit(request, sink))
     finish = None
-    while finish is None:
-        try:
-            finish = next(event for event in handle.events(POLL_S) if isinstance(event, FinishEvent))
-        except queue.Empty:
-            app.models.check(served)
-            if handler.client_gone():
-                handle.cancel()
-                handler.close_connection = True
-                return
+    for item in events(app, served, Submitted([handle], sink, CACHE_BYPASS), handler.client_gone):
+        if isinstance(item, EngineGone):
+            raise as_http_error(item.error)
+        finish = item[1] if isinstance(item[1], FinishEvent) else finish
+    if finish is None:
+        return  # the client left
     if finish.reason != "stop":
         raise HttpError(503 if finish.reason == "timeout" else 500, finish.message or f"warming {finish.reason}",
                         "server_error", "warm_failed")
@@ -114,7 +114,7 @@ def embeddings(app: Service, handler: Handler, _path: str) -> None:
                         f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
     inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
               else list(item) for item in embedding_inputs(fields.body.get("input"))]
-    vectors = app.embeddings(handler, served, inputs)
+    vectors = app.embeddings(handler.client_gone, served, inputs)
     if vectors is None:
         return
     data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}

@@ -3,7 +3,7 @@ clients (`client.responses.create`, the Agents SDK): `input` as a string or item
 and their outputs), `instructions`, `max_output_tokens`, sampling, function `tools`, `tool_choice`,
 `text.format` (JSON object or schema), streaming with the Responses event types, and `previous_response_id`
 over stored responses (conversations.py; `store: false` stores none). The same engine and caches as every
-route (generation.submit, turn.py).
+route (exchange.py, turn.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from reame.engine import FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.generation import shape
-from reame.server.service import Service, failure, loaded
+from reame.server.exchange import shape
+from reame.server.models import loaded
+from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import ToolCall, ToolRequest, tool_request

@@ -1,0 +1,193 @@
+"""A generation's life after its request was parsed, whatever API family asked for it: submission through
+the caches (the exact answer cache, then the semantic one), which says where the answer came from as data;
+the one loop that waits for the engine's events, with one clock-based check that the client is still there,
+the engine's death as an item of its own and the delivery accounting of streamed tokens. The API families
+encode what it yields into their streams and whole answers (generation.py: OpenAI's completions and chat;
+turn.py: the families that answer one generation). Nothing here knows HTTP: the client is a `gone` check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from reame.engine import FinishEvent, GenerationRequest, TokenEvent, Usage
+from reame.engine.request import FINISH_ERROR
+from reame.errors import EngineUnavailable
+from reame.server.answers import AnswerTap, StoredAnswer, replayed
+from reame.server.metrics import Metrics
+from reame.server.models import ModelPool, ServedModel, loaded
+from reame.server.semantic import Lookup, Question, look_up
+from reame.server.shapes import Choice
+from reame.structured.tools import ToolRequest
+
+POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
+ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose model's engine died
+
+# Where an answer came from (the X-Reame-Cache header says it): hit, semantic (a kept answer to a question of
+# the same meaning), miss; bypass (a request the cache cannot or may not answer); off (no cache kept)
+CACHE_OFF, CACHE_BYPASS, CACHE_MISS, CACHE_HIT, CACHE_SEMANTIC = "off", "bypass", "miss", "hit", "semantic"
+
+Gone = Callable[[], bool]  # whether the client has left
+
+
+class Host(Protocol):
+    """What the exchange uses of the server (service.Service is one): its models and its metrics."""
+
+    models: ModelPool
+    metrics: Metrics
+
+
+@dataclass
+class Submitted:
+    handles: list  # the engine's handles, or one StoredAnswer
+    events: Any  # where their events arrive (the sink, or a tap that keeps the answer when it ends)
+    cache: str  # where the answer comes from: one of the CACHE_ states
+    marks: dict[str, Any] = field(default_factory=dict)  # the answer's `reame` object (empty: nothing to say)
+
+
+def submit(app: Host, model: ServedModel, requests: list[GenerationRequest], sink: queue.SimpleQueue,
+           cacheable: bool, kind: str, question: Question | None, gone: Gone) -> Submitted:
+    """Submit `requests` to the model's engine together, or answer the one cacheable request from its exact
+    answer cache, then the semantic one (with `question`; embedding it stops early when the client is
+    `gone`); a computed cacheable answer is kept when it ends. `kind`: the shape (chat or completion, tools
+    offered), part of the key. RequestError, OverloadedError as the engine raises them."""
+    engine, answers = loaded(model), model.answers
+    if not cacheable or answers is None:
+        return Submitted(engine.submit_together(requests, sink), sink, CACHE_OFF if answers is None else CACHE_BYPASS)
+    # Tokenized once: the key is over the tokens, and the engine gets them as they are.
+    tokens = engine.prompt_tokens(requests[0])
+    request = dataclasses.replace(requests[0], prompt=tokens, suffix=None)
+    answer_key = answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
+    handles = kept_answer(app, model, tokens, answer_key, sink, "answers")
+    if handles is not None:
+        return Submitted(handles, sink, CACHE_HIT)
+    similar = look_up(model, lambda tokens: embedded(app, model, [tokens], gone), question, request.params, kind) \
+        if question is not None and model.semantic is not None else None
+    if similar is not None and similar.match is not None:
+        handles = kept_answer(app, model, tokens, similar.match.question.answer_key, sink, "semantic")
+        if handles is not None:
+            return Submitted(handles, sink, CACHE_SEMANTIC, {
+                "cache": "semantic", "similarity": round(similar.match.similarity, 4),
+                "question": similar.match.question.text})
+    elif similar is not None:
+        app.metrics.add("reame_semantic_misses_total", model=model.name)
+    computing = engine.submit_together([request], sink)
+    return Submitted(computing, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text,
+                                                                                 finish, similar)), CACHE_MISS)
+
+
+def shape(chat: bool, tools: ToolRequest | None) -> str:
+    """What else the server does with the generated text: part of a cache key."""
+    return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
+
+
+def kept_answer(app: Host, model: ServedModel, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
+                cache: str) -> list[StoredAnswer] | None:
+    """The answer the model's cache keeps under `key` as the engine's events (in the pieces a generation
+    sends), or None on a miss (counted either way, as a lookup of `cache`: answers or semantic)."""
+    assert model.answers is not None
+    cached = model.answers.get(key)
+    app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total", model=model.name)
+    if cached is None:
+        return None
+    for event in replayed(cached.text, loaded(model).backend):
+        sink.put((0, event))
+    sink.put((0, cached.finish(len(tokens))))
+    return [StoredAnswer(tokens)]
+
+
+def keep_answer(app: Host, model: ServedModel, key: bytes, text: str, finish: FinishEvent,
+                question: Lookup | None) -> None:
+    """Keep a computed answer; with `question` (the semantic cache looked it up), the question too."""
+    assert model.answers is not None
+    if model.answers.put(key, text, finish):
+        app.metrics.add("reame_answers_stored_total", model=model.name)
+        if question is not None and model.semantic is not None:
+            model.semantic.index.add(question.scope, question.question, question.vector, key)
+
+
+@dataclass(frozen=True)
+class EngineGone:
+    """The model's engine died before the generations ended: each family ends its answer with this error."""
+
+    error: EngineUnavailable
+
+    def finish(self, prompt_tokens: int) -> FinishEvent:
+        """How the answer ends: an error that service.failure makes a 503."""
+        return FinishEvent(FINISH_ERROR, Usage(prompt_tokens, 0, 0.0, 0.0), message=str(self.error),
+                           code=ENGINE_UNAVAILABLE)
+
+
+def events(app: Host, model: ServedModel, submitted: Submitted,
+           gone: Gone) -> Iterator[tuple[int, TokenEvent | FinishEvent] | EngineGone]:
+    """Every handle's events, tagged, as they arrive, until each has ended. Every POLL_S on the clock, events
+    or not, the client is checked: once it is `gone`, every handle is cancelled and the iteration ends early
+    (the caller sees handles without their end). An engine that died ends it with one EngineGone. A token is
+    counted as delivered once the caller asks for the next item (it has sent it on, when it streams)."""
+    handles = submitted.handles
+    remaining = len(handles)
+    checked = time.monotonic()
+    while remaining:
+        try:
+            tag, event = next_event(app, model, submitted.events)
+        except EngineUnavailable as error:
+            yield EngineGone(error)
+            return
+        if time.monotonic() - checked >= POLL_S:
+            checked = time.monotonic()
+            if gone():
+                for handle in handles:
+                    handle.cancel()
+                return
+        if event is None:
+            continue
+        if isinstance(event, FinishEvent):
+            remaining -= 1
+        yield tag, event
+        if isinstance(event, TokenEvent):
+            handles[tag].delivered()
+
+
+def next_event(app: Host, model: ServedModel, sink: Any) -> tuple[int, Any]:
+    """The next (tag, event) of a request's sink, or (-1, None) after POLL_S without one. Never waits
+    forever: EngineUnavailable when the model's engine failed meanwhile."""
+    try:
+        return sink.get(timeout=POLL_S)
+    except queue.Empty:
+        app.models.check(model)
+        return -1, None
+
+
+def account(app: Host, model: ServedModel, choices: list[Choice]) -> None:
+    """The metrics of what was generated (a kept answer counts in reame_answers_hits_total only)."""
+    for choice in choices:
+        if choice.finish is None or not choice.computed:
+            continue
+        usage = choice.finish.usage
+        app.metrics.add("reame_generations_total", model=model.name)
+        app.metrics.add("reame_prompt_tokens_total", usage.prompt_tokens, model=model.name)
+        app.metrics.add("reame_prompt_tokens_cached_total", usage.cached_tokens, model=model.name)
+        app.metrics.add("reame_generated_tokens_total", usage.completion_tokens, model=model.name)
+        app.metrics.add("reame_prompt_seconds_total", usage.prompt_seconds, model=model.name)
+        app.metrics.add("reame_generation_seconds_total", usage.decode_seconds, model=model.name)
+
+
+def embedded(app: Host, model: ServedModel, inputs: list[list[int]], gone: Gone) -> list[list[float]] | None:
+    """Unit vectors of token inputs, computed by the model's engine between its steps; None when the client
+    is `gone` meanwhile. RequestError, OverloadedError when the engine refuses them, EngineUnavailable when it
+    died, ModelError when the model failed."""
+    job = loaded(model).embed(inputs)
+    try:
+        while not job.done.wait(POLL_S):
+            app.models.check(model)
+            if gone():
+                return None
+    finally:
+        if not job.done.is_set():
+            job.cancel()  # no one waits for the rest: the engine drops it before its next batch
+    return job.result(0)
