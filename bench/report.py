@@ -2,8 +2,9 @@
 
 The benchmarks print Markdown (a heading or two, tables, notes); the report keeps that
 verbatim under each benchmark's command, and reads the tables back for the charts.
-Only the part between BEGIN and END is rewritten: the hand-written descriptions after it
-stay, and the run it replaces moves to docs/bench/history/<its date>.md. The charts go to
+Only the part between BEGIN and END is rewritten: today's figures above it stay (they are
+hand-written, as is docs/bench/methods.md), and the run it replaces moves to
+docs/bench/history/<its date>.md. The charts go to
 docs/bench/*.svg, each shown under the benchmark it draws.
 """
 
