@@ -125,3 +125,11 @@ def test_below_the_api_encoders_nothing_imports_the_http_transport():
     assert "reame.server.exchange" in graph and not {"reame.server.http"} & below
     assert {"reame.server.http", "reame.server.service"} & reached(graph, "reame.server.generation"), \
         "the check sees an encoder's import of the transport"
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", text[text.index("## Every module"):], re.M))
+    modules = {str(path.relative_to(ROOT / "reame")) for path in (ROOT / "reame").rglob("*.py")
+               if path.name != "__init__.py"}
+    assert sorted(modules - named) == [] and sorted(named - modules) == []
