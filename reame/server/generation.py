@@ -32,27 +32,42 @@ from reame.structured.tools import ToolRequest, tool_parser
 CACHE_HEADER = "X-Reame-Cache"  # where the answer came from (exchange.CACHE_ states)
 
 
-def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel, prompts: list[Any],
-             max_tokens: int | None, chat: bool, echo: bool, logprobs: int | None,
-             tools: ToolRequest | None = None, suffix: str | None = None, grammar: str | None = None,
-             elect_among: int = 1, question: Question | None = None, thinks: bool = False) -> None:
-    """`elect_among` > 1: each prompt's answer is elected by the Conclave among that many attempts;
-    `question`: the chat's last question, for the semantic cache; `thinks`: the model thinks in
-    <think>…</think> (its answers are split into reasoning_content and content)."""
-    engine = loaded(model)
+@dataclass(frozen=True)
+class Ask:
+    """What a completion or chat request asks once its route has read it: its prompts (several for a
+    completion's prompt list), whether it is a chat, and what shapes its answers. `elect_among` > 1: each
+    prompt's answer is elected by the Conclave among that many attempts; `question`: the chat's last question,
+    for the semantic cache; `thinks`: the model thinks in <think>…</think> (its answers are split into
+    reasoning_content and content). The fields every such request shares (n, stream, seed, session, sampling)
+    `generate` reads itself."""
+
+    prompts: list[Any]
+    max_tokens: int | None
+    chat: bool
+    echo: bool = False
+    logprobs: int | None = None
+    tools: ToolRequest | None = None
+    suffix: str | None = None
+    grammar: str | None = None
+    elect_among: int = 1
+    question: Question | None = None
+    thinks: bool = False
+
+
+def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel, ask: Ask) -> None:
+    """Answer `ask` with `model`: streamed or whole, its session reserved for as long as its turn runs."""
     n = fields.integer("n", 1, 1, MAX_CHOICES)
-    if len(prompts) * max(n, elect_among) > MAX_CHOICES:
+    generations = len(ask.prompts) * max(n, ask.elect_among)
+    if generations > MAX_CHOICES:
         raise HttpError(400, f"a request asks at most {MAX_CHOICES} generations in all (prompts × n × best_of); "
-                        f"this one asks {len(prompts) * max(n, elect_among)}", param="n", code="invalid_value")
+                        f"this one asks {generations}", param="n", code="invalid_value")
     stream = fields.boolean("stream", False)
     include_usage = stream_usage(fields)
     seed = fields.integer("seed", None, 0, 2**32 - 2)
-    if elect_among > 1 and stream:
+    if ask.elect_among > 1 and stream:
         raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
                         "streamed", param="best_of", code="unsupported_parameter")
-    reserved = session_for(model, handler.owner, fields, max(n, elect_among), prompts)
-    session = reserved[1] if reserved else None
-
+    reserved = session_for(model, handler.owner, fields, max(n, ask.elect_among), ask.prompts)
     released = False
 
     def release_session() -> None:
@@ -64,37 +79,52 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
             released = True
             app.ready_sessions(model).release(handler.owner, reserved[0])
     try:
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        base = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)  # seeded per choice
-        requests = [GenerationRequest(prompt, params, logprobs=logprobs, session=session, suffix=suffix,
-                                      streamed=stream)
-                    for prompt_index, prompt in enumerate(prompts)
-                    for params in attempt_params(base, seed, prompt_index, n, elect_among)]
-        # One deterministic answer (greedy, or an explicit seed) may have been kept.
-        cacheable = len(requests) == 1 and session is None and logprobs is None and \
-            (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
-        try:
-            submitted = submit(app, model, requests, sink, cacheable, shape(chat, tools),
-                               question if semantic_cache_allowed(fields) else None, handler.client_gone)
-        except (RequestError, OverloadedError) as error:
-            raise refusal(error, "messages" if chat else "prompt") from None
-        handler.response_headers[CACHE_HEADER] = submitted.cache
-        handles = submitted.handles
-        group = len(handles) // len(prompts)  # handles per prompt: its n choices or its attempts
-        prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(prompts)))
-        echoes = [echo_text(engine, prompts[i // group]) if echo else "" for i in range(len(handles))]
-        response = Response(chat, model.name, engine.backend.token_piece if logprobs is not None
-                            else None, per_prompt=group)
-        choices = [Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer),
-                          thinker=ThinkingSplitter.for_prompt(echo_text(engine, prompts[i // group]))
-                          if thinks else None) for i, handle in enumerate(handles)]
-        answer = Answer(app, handler, model, submitted, response, choices, echoes, prompt_tokens, release_session)
+        submitted = submitted_ask(app, handler, fields, model, ask, n, seed, reserved[1] if reserved else None)
+        answer = answer_for(app, handler, model, ask, submitted, release_session)
         if stream:
             stream_answer(answer, include_usage)
         else:
-            collect_answer(answer, Ballot(handles, elect_among) if elect_among > 1 else None)
+            collect_answer(answer, Ballot(submitted.handles, ask.elect_among) if ask.elect_among > 1 else None)
     finally:
         release_session()
+
+
+def submitted_ask(app: Service, handler: Handler, fields: Fields, model: ServedModel, ask: Ask, n: int,
+                  seed: int | None, session: Any) -> Submitted:
+    """Every generation `ask` needs (n choices or the Conclave's attempts per prompt, seeded per choice from
+    `seed`), submitted through the exchange; the cache header says where the answer comes from. The last
+    fields are read before anything is submitted: a 400 after it would leave generations running."""
+    base = dataclasses.replace(sampling_params(fields, ask.max_tokens, None), grammar=ask.grammar)
+    requests = [GenerationRequest(prompt, params, logprobs=ask.logprobs, session=session, suffix=ask.suffix,
+                                  streamed=fields.boolean("stream", False))
+                for prompt_index, prompt in enumerate(ask.prompts)
+                for params in attempt_params(base, seed, prompt_index, n, ask.elect_among)]
+    # One deterministic answer (greedy, or an explicit seed) may have been kept.
+    cacheable = len(requests) == 1 and session is None and ask.logprobs is None and \
+        (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
+    try:
+        submitted = submit(app, model, requests, queue.SimpleQueue(), cacheable, shape(ask.chat, ask.tools),
+                           ask.question if semantic_cache_allowed(fields) else None, handler.client_gone)
+    except (RequestError, OverloadedError) as error:
+        raise refusal(error, "messages" if ask.chat else "prompt") from None
+    handler.response_headers[CACHE_HEADER] = submitted.cache
+    return submitted
+
+
+def answer_for(app: Service, handler: Handler, model: ServedModel, ask: Ask, submitted: Submitted,
+               finished: Callable[[], None]) -> Answer:
+    """The answer to make of what was submitted: one choice per handle, each prompt's echo, its shape."""
+    engine, handles = loaded(model), submitted.handles
+    group = len(handles) // len(ask.prompts)  # handles per prompt: its n choices or its attempts
+    prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(ask.prompts)))
+    prompt_texts = [echo_text(engine, ask.prompts[i // group]) for i in range(len(handles))]
+    response = Response(ask.chat, model.name, engine.backend.token_piece if ask.logprobs is not None else None,
+                        per_prompt=group)
+    choices = [Choice(parser=tool_parser(ask.tools), computed=not isinstance(handle, StoredAnswer),
+                      thinker=ThinkingSplitter.for_prompt(prompt_texts[i]) if ask.thinks else None)
+               for i, handle in enumerate(handles)]
+    echoes = prompt_texts if ask.echo else [""] * len(handles)
+    return Answer(app, handler, model, submitted, response, choices, echoes, prompt_tokens, finished)
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,

@@ -137,8 +137,9 @@ def completions(app: Service, handler: Handler, _path: str) -> None:
         raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
                         code="unsupported_parameter")
     max_tokens = fields.integer("max_tokens", 16, 1, None)
-    generation.generate(app, handler, fields, served, prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs,
-                  suffix=suffix, grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False))
+    generation.generate(app, handler, fields, served, generation.Ask(
+        prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs, suffix=suffix,
+        grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False)))
 
 
 def chat_completions(app: Service, handler: Handler, _path: str) -> None:
@@ -166,9 +167,9 @@ def chat_completions(app: Service, handler: Handler, _path: str) -> None:
     def render(messages: list[dict[str, Any]]) -> str:
         return turn.chat_prompt(engine, messages, tools, enable_thinking)
     question = chat_question(messages, render) if served.semantic is not None else None
-    generation.generate(app, handler, fields, served, [render(messages)], max_tokens, chat=True, echo=False,
-                        logprobs=logprobs, tools=tools, grammar=grammar, elect_among=best_of(fields, chat=True),
-                        question=question, thinks=thinks)
+    generation.generate(app, handler, fields, served, generation.Ask(
+        [render(messages)], max_tokens, chat=True, logprobs=logprobs, tools=tools, grammar=grammar,
+        elect_among=best_of(fields, chat=True), question=question, thinks=thinks))
 
 
 def thinking_switch(fields: Fields) -> bool | None:
