@@ -133,7 +133,7 @@ def command_run(args: argparse.Namespace, settings: Settings, startup: Startup) 
     if args.serve:
         if best_of > 1:
             raise ConfigError("--best-of elects one answer here; API clients ask for it per request (best_of)")
-        from reame.serving import serve_model
+        from reame.node import serve_model
         return serve_model(settings, path, entry, chosen)
     if best_of > 1 and prompt is None:
         raise ConfigError("--best-of elects one answer: give a prompt")
@@ -255,7 +255,7 @@ def command_config_mode(args: argparse.Namespace, settings: Settings, choice: co
         print_config(settings, chosen)
         return EXIT_OK
     if args.serve:
-        from reame.serving import serve_model
+        from reame.node import serve_model
         return serve_model(settings, path, entry, chosen)
     best_of = args.best_of or 1
     backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))

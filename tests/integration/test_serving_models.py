@@ -6,7 +6,7 @@ import pytest
 from reame import config
 from reame.assembly import plan
 from reame.errors import ConfigError
-from reame.serving import Planned, file_facts, memory_estimate, names_of, planned_model, with_others
+from reame.node import Planned, file_facts, memory_estimate, names_of, planned_model, with_others
 from reame.settings import from_values
 
 

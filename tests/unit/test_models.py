@@ -201,7 +201,7 @@ def test_close_unloads_everything_and_refuses_new_requests():
 
 
 def test_a_models_name_becomes_one_safe_directory():
-    from reame.serving import directory_name
+    from reame.node import directory_name
     assert directory_name("coder") == "coder" and directory_name("../../etc") == ".._.._etc"
     assert directory_name("..") == "_.." and directory_name("a/b c") == "a_b_c"
     assert len(directory_name("x" * 500)) == 100

@@ -176,6 +176,6 @@ def test_a_sessions_model_query_is_bounded(two):
                                   '{"architecture": "a", "quantization": "b", "parameter_size": "c", '
                                   '"context_train": true}'])
 def test_a_remembered_summary_that_is_not_one_is_refused(text):
-    from reame.serving import parse_summary
+    from reame.node import parse_summary
     with pytest.raises(ValueError):
         parse_summary(text)

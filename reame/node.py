@@ -25,7 +25,7 @@ from reame.model.llama import LlamaBackend
 from reame.native import cache_root
 from reame.server.http import ServerSettings
 from reame.server.models import FOREVER, ModelFacts, ModelPool, ServedModel
-from reame.server.serve import serve
+from reame.server.run import serve
 from reame.server.sessions import Sessions
 from reame.settings import Settings
 
