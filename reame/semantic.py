@@ -8,8 +8,9 @@ answer in the exact answer cache (reame/answers.py), which holds the text: no an
 question is answered from the cache when its nearest kept question is at least `threshold` similar
 (cosine of unit vectors) and both say the same numbers and both or neither negate: an embedding barely
 tells "10 days" from "60 days" or "open" from "not open" (bench/semantic_cache.py measured it), and that
-check is cheap. It cannot tell "open" from "close": docs/cache.md (Semantic answers) says what the study found and why
-the cache is off by default.
+check is cheap. It cannot tell "open" from "close": docs/cache.md (Semantic answers) says what the study
+found and why the cache is off by default. `chat_question` finds a chat's question and `look_up` its match;
+the server's exchange (server/exchange.py) embeds it and keeps what was computed.
 
 Vectors of different embedding models are not comparable: the embedder's identity is part of the scope.
 With a shared store (`arca.remote`) each scope is also a stream of its questions, so a node finds what
@@ -28,12 +29,14 @@ import operator
 import re
 import sys
 import threading
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reame.answers import KEY_PREFIX as ANSWER_PREFIX
 from reame.engine import SamplingParams
+from reame.errors import ReameError
 
 if TYPE_CHECKING:
     from reame.arca.client import StoreCommands
@@ -271,3 +274,48 @@ def little_endian(vector: array.array) -> bytes:
         vector = array.array("f", vector)
         vector.byteswap()
     return vector.tobytes()
+
+
+log = logging.getLogger("reame.semantic")
+
+# Holds the question's place in the rendered conversation: the scope is the conversation around it.
+PLACEHOLDER = "\u2063[reame: the question]\u2063"
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    context: str  # the rendered prompt with PLACEHOLDER where the question is
+
+
+@dataclass(frozen=True)
+class Lookup:
+    scope: bytes
+    question: str
+    vector: list[float]
+    match: Match | None
+
+
+def chat_question(messages: Sequence[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str]) -> Question | None:
+    """The last message's text as the question, if it is a user's and short enough to be one."""
+    last = messages[-1]
+    text = last.get("content")
+    if last["role"] != "user" or not isinstance(text, str) or not text.strip() or len(text) > MAX_QUESTION_CHARS:
+        return None
+    return Question(text, render([*messages[:-1], {**last, "content": PLACEHOLDER}]))
+
+
+def look_up(cache: SemanticCache, embed: Callable[[str], list[float] | None], question: Question,
+            params: SamplingParams, shape: str) -> Lookup | None:
+    """The kept question nearest to `question` in its scope (match None: none close enough); None when the
+    question could not be embedded (the request is then computed as if the cache were off) or `embed` gave
+    nothing (the client left while the served model embedded it)."""
+    try:
+        vector = embed(canonical(question.text))
+    except ReameError as error:
+        log.warning("semantic cache: the question was not embedded (%s)", error)
+        return None
+    if vector is None:
+        return None
+    scope = cache.index.scope(question.context, params, shape)
+    return Lookup(scope, question.text, vector, cache.index.find(scope, question.text, vector))

@@ -1,5 +1,6 @@
 """A generation's life after its request was parsed, whatever API family asked for it: submission through
-the caches (the exact answer cache, then the semantic one), which says where the answer came from as data;
+the caches (the exact answer cache, then the semantic one; a kept answer replayed as the token-sized pieces
+a generation sends, a computed one kept as it ends), which says where the answer came from as data;
 the one loop that waits for the engine's events, with one clock-based check that the client is still there,
 the engine's death as an item of its own and the delivery accounting of streamed tokens. The API families
 encode what it yields into their streams and whole answers (generation.py: OpenAI's completions and chat;
@@ -17,11 +18,12 @@ from typing import Any, Protocol
 
 from reame.engine import FinishEvent, GenerationRequest, TokenEvent, Usage
 from reame.engine.request import FINISH_ERROR
+from reame.engine.textstream import TextStream
 from reame.errors import EngineUnavailable
-from reame.server.answers import AnswerTap, StoredAnswer, replayed
+from reame.model.backend import Backend
+from reame.semantic import Lookup, Question, look_up
 from reame.server.metrics import Metrics
 from reame.server.models import ModelPool, ServedModel, loaded
-from reame.server.semantic import Lookup, Question, look_up
 from reame.server.shapes import Choice
 from reame.structured.tools import ToolRequest
 
@@ -66,7 +68,7 @@ def submit(app: Host, model: ServedModel, requests: list[GenerationRequest], sin
     handles = kept_answer(app, model, tokens, answer_key, sink, "answers")
     if handles is not None:
         return Submitted(handles, sink, CACHE_HIT)
-    similar = look_up(model, lambda tokens: embedded(app, model, [tokens], gone), question, request.params, kind) \
+    similar = look_up(model.semantic, question_embedding(app, model, gone), question, request.params, kind) \
         if question is not None and model.semantic is not None else None
     if similar is not None and similar.match is not None:
         handles = kept_answer(app, model, tokens, similar.match.question.answer_key, sink, "semantic")
@@ -79,6 +81,21 @@ def submit(app: Host, model: ServedModel, requests: list[GenerationRequest], sin
     computing = engine.submit_together([request], sink)
     return Submitted(computing, AnswerTap(sink, lambda text, finish: keep_answer(app, model, answer_key, text,
                                                                                  finish, similar)), CACHE_MISS)
+
+
+def question_embedding(app: Host, model: ServedModel, gone: Gone) -> Callable[[str], list[float] | None]:
+    """How the semantic cache embeds a question: with its own embedding model, or with the served model's,
+    computed by its engine between steps (None when the client is `gone` meanwhile)."""
+    assert model.semantic is not None
+    if model.semantic.embedder is not None:
+        return model.semantic.embedder.embed
+    backend = loaded(model).backend
+
+    def served(text: str) -> list[float] | None:
+        tokens = backend.tokenize(text, add_special=True, parse_special=False)
+        vectors = embedded(app, model, [tokens[:backend.embedding_context_tokens]], gone)
+        return None if vectors is None else vectors[0]
+    return served
 
 
 def shape(chat: bool, tools: ToolRequest | None) -> str:
@@ -109,6 +126,51 @@ def keep_answer(app: Host, model: ServedModel, key: bytes, text: str, finish: Fi
         app.metrics.add("reame_answers_stored_total", model=model.name)
         if question is not None and model.semantic is not None:
             model.semantic.index.add(question.scope, question.question, question.vector, key)
+
+
+class StoredAnswer:
+    """Stands where the engine's handle would for an answer served from the store: nothing to cancel."""
+
+    def __init__(self, prompt_tokens: list[int]) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.finish: FinishEvent | None = None
+
+    def cancel(self) -> None:
+        pass
+
+    def delivered(self) -> None:
+        pass
+
+
+def replayed(text: str, backend: Backend) -> list[TokenEvent]:
+    """A kept answer as the events a generation of it streams: one per token, each with the text that
+    token completes (a character split across tokens arrives whole, as the engine sends it). Clients and
+    the thinking and tool-call parsers then see a kept answer arrive as a computed one does. A text that
+    does not tokenize back to itself (a tokenizer that adds a leading space, say) arrives as one piece."""
+    tokens = backend.tokenize(text, add_special=False, parse_special=False)
+    stream = TextStream()
+    events = [TokenEvent(token, stream.push(backend.token_piece(token))) for token in tokens]
+    events.append(TokenEvent(-1, stream.flush()))
+    if "".join(event.text for event in events) != text:
+        return [TokenEvent(-1, text)]
+    return [event for event in events if event.text]
+
+
+class AnswerTap:
+    """A request's event queue, read by the handler as usual, that hands the whole answer to `keep` when
+    it ends (the raw generated text: before tool-call parsing, without an echoed prompt)."""
+
+    def __init__(self, events: queue.SimpleQueue, keep: Callable[[str, FinishEvent], None]) -> None:
+        self.events = events
+        self.keep = keep
+        self.pieces: list[str] = []
+
+    def get(self, block: bool = True, timeout: float | None = None) -> tuple[int, TokenEvent | FinishEvent]:
+        tag, event = self.events.get(block, timeout)
+        self.pieces.append(event.text)  # a finish carries the text held back until the end
+        if isinstance(event, FinishEvent):
+            self.keep("".join(self.pieces), event)
+        return tag, event
 
 
 @dataclass(frozen=True)

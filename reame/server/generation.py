@@ -16,11 +16,11 @@ from reame.conclave import Ballot, attempts
 from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from reame.errors import OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
-from reame.server.answers import StoredAnswer
+from reame.server.exchange import StoredAnswer
 from reame.server.exchange import EngineGone, Submitted, account, events, shape, submit
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel, loaded
-from reame.server.semantic import Question
+from reame.semantic import Question
 from reame.server.service import Service, as_http_error, failure, refusal
 from reame.server.shapes import Choice, Response
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, sampling_params,

@@ -11,12 +11,12 @@ from typing import Any
 
 from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
 from reame.errors import OverloadedError, RequestError
-from reame.server.answers import StoredAnswer
+from reame.server.exchange import StoredAnswer
 from reame.server.exchange import EngineGone, Submitted, account, events, submit
 from reame.server.generation import CACHE_HEADER
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel
-from reame.server.semantic import Question
+from reame.semantic import Question
 from reame.server.service import Service, failure, refusal
 from reame.server.shapes import Choice
 from reame.structured.thinking import ThinkingSplitter

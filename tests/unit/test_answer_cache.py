@@ -13,7 +13,7 @@ from reame.errors import ConfigError
 from tests.fakes.backend import FakeBackend
 from reame.cache.answers import DiskAnswers, RamAnswers
 from reame.answers import AnswerCache, SharedAnswers
-from reame.server.answers import replayed
+from reame.server.exchange import replayed
 from tests.arca_thread import arca_thread
 from tests.live_server import free_port
 from tests.unit.test_server import Live

@@ -29,7 +29,7 @@ from reame.errors import FetchError
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.semantic import chat_question
+from reame.semantic import chat_question
 from reame.server.exchange import shape
 from reame.server.models import FOREVER, ServedModel, loaded
 from reame.server.service import Service, failure

@@ -15,7 +15,7 @@ from reame.server import generation, turn
 from reame.server.exchange import CACHE_BYPASS, EngineGone, Submitted, events
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.server.semantic import chat_question
+from reame.semantic import chat_question
 from reame.server.models import loaded
 from reame.server.service import Service, as_http_error
 from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts, embedding_inputs,
