@@ -38,8 +38,9 @@ def start(kind: str, path: str, slots: int, threads: int, context: int) -> tuple
     return process, port
 
 
-def concurrent(port: int, clients: int, n_tokens: int, tag: str) -> tuple[float, list[float]]:
-    """(aggregate tok/s, TTFTs in ms) for `clients` simultaneous streams."""
+def concurrent(port: int, clients: int, n_tokens: int, tag: str) -> tuple[float, list[float], list[float]]:
+    """(aggregate tok/s, TTFTs in ms, each stream's decode tok/s) for `clients` simultaneous streams: where
+    a request's time goes, waiting for its first token or between its tokens."""
     results: list[tuple[float, float]] = [(0.0, 0.0)] * clients
     started = time.perf_counter()
 
@@ -52,7 +53,7 @@ def concurrent(port: int, clients: int, n_tokens: int, tag: str) -> tuple[float,
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
-    return clients * n_tokens / wall, [ttft * 1000 for ttft, _ in results]
+    return clients * n_tokens / wall, [ttft * 1000 for ttft, _ in results], [rate for _, rate in results]
 
 
 def serialized(port: int, clients: int, n_tokens: int, tag: str) -> float:
@@ -118,12 +119,14 @@ def main() -> None:
         try:
             measured: dict[str, list[float]] = {"reame": [], "llama-server": [], "serialized": []}
             ttfts: dict[str, list[float]] = {"reame": [], "llama-server": []}
+            decode_rates: dict[str, list[float]] = {"reame": [], "llama-server": []}
             for rep in range(args.reps):
                 order = ("reame", "llama-server") if rep % 2 == 0 else ("llama-server", "reame")
                 for kind in order:
-                    rate, ttft = concurrent(servers[kind][1], clients, args.tokens, f"{rep}-{kind}")
+                    rate, ttft, decode = concurrent(servers[kind][1], clients, args.tokens, f"{rep}-{kind}")
                     measured[kind].append(rate)
                     ttfts[kind] += ttft
+                    decode_rates[kind] += decode
                 measured["serialized"].append(serialized(servers["reame"][1], clients, args.tokens, f"s{rep}"))
         finally:
             for process, _ in servers.values():
@@ -133,11 +136,14 @@ def main() -> None:
         rows.append([str(clients), f"{alone:.1f}", f"{llama:.1f}", f"{reame:.1f}", f"{reame / alone:.2f}",
                      f"{reame / llama:.2f}",
                      f"{percentile(ttfts['reame'], 0.5):.0f} / {percentile(ttfts['reame'], 0.95):.0f}",
-                     f"{percentile(ttfts['llama-server'], 0.5):.0f} / {percentile(ttfts['llama-server'], 0.95):.0f}"])
+                     f"{percentile(ttfts['llama-server'], 0.5):.0f} / {percentile(ttfts['llama-server'], 0.95):.0f}",
+                     f"{statistics.median(decode_rates['reame']):.1f}",
+                     f"{statistics.median(decode_rates['llama-server']):.1f}"])
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {args.model} · {args.tokens} tokens per client, "
           f"context {args.context}, reps {args.reps}\n")
     print_table(["clients", "serialized tok/s", "llama-server -np N tok/s", "reame tok/s", "reame / serialized",
-                 "reame / llama-server", "reame TTFT p50/p95 ms", "llama-server TTFT p50/p95 ms"], rows)
+                 "reame / llama-server", "reame TTFT p50/p95 ms", "llama-server TTFT p50/p95 ms",
+                 "reame decode tok/s per stream (p50)", "llama-server decode tok/s per stream (p50)"], rows)
 
 
 def stall_table(args: argparse.Namespace, path: str) -> None:
