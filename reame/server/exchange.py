@@ -25,7 +25,7 @@ from reame.semantic import Lookup, Question, look_up
 from reame.server.metrics import Metrics
 from reame.server.models import ModelPool, ServedModel, loaded
 from reame.server.shapes import Choice
-from reame.structured.tools import ToolRequest
+from reame.structured.tools import ToolCall, ToolRequest
 
 POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
 ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose model's engine died
@@ -253,3 +253,46 @@ def embedded(app: Host, model: ServedModel, inputs: list[list[int]], gone: Gone)
         if not job.done.is_set():
             job.cancel()  # no one waits for the rest: the engine drops it before its next batch
     return job.result(0)
+
+
+@dataclass
+class Said:
+    """A piece of choice `tag`'s answer: its text, its thinking, a finished tool call, or (last) its end."""
+
+    tag: int = 0
+    text: str = ""
+    thinking: str = ""  # a thinking model's text between <think> and </think>
+    call: ToolCall | None = None
+    finish: FinishEvent | None = None
+
+
+def said(app: Host, model: ServedModel, submitted: Submitted, choices: list[Choice],
+         gone: Gone) -> Iterator[Said | EngineGone]:
+    """What each choice says as its events arrive: thinking split from the answer, tool calls parsed out of
+    it, the content kept in the choice, the tokens whose logprobs were asked for kept until an encoder sends
+    them; then each choice's end, counted in the metrics. An engine that died ends it with an EngineGone;
+    a client `gone` ends it early (choices without their end)."""
+    for item in events(app, model, submitted, gone):
+        if isinstance(item, EngineGone):
+            yield item
+            return
+        tag, event = item
+        choice, final = choices[tag], isinstance(event, FinishEvent)
+        thinking, text = choice.split(event.text, final)
+        if thinking:
+            yield Said(tag, thinking=thinking)
+        if isinstance(event, TokenEvent) and event.logprob is not None:
+            choice.tokens.append(event)
+        parser = choice.parser
+        pieces: list[tuple[str, Any]] = [("content", text)] if parser is None else \
+            parser.feed(text) + (parser.finish() if final else [])
+        for kind, piece in pieces:
+            if kind == "content" and piece:
+                choice.pieces.append(piece)
+                yield Said(tag, text=piece)
+            elif kind != "content":
+                yield Said(tag, call=piece)
+        if isinstance(event, FinishEvent):
+            choice.finish = event
+            account(app, model, [choice])
+            yield Said(tag, finish=event)

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from reame.conclave import Ballot, attempts
-from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.errors import OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
-from reame.server.exchange import StoredAnswer
-from reame.server.exchange import EngineGone, Submitted, account, events, shape, submit
+from reame.server.exchange import EngineGone, Said, StoredAnswer, Submitted, said, shape, submit
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel, loaded
 from reame.semantic import Question
@@ -156,8 +155,8 @@ class Answer:
     prompt_tokens: int
     finished: Callable[[], None]
 
-    def events(self) -> Iterator[tuple[int, TokenEvent | FinishEvent] | EngineGone]:
-        return events(self.app, self.model, self.submitted, self.handler.client_gone)
+    def said(self) -> Iterator[Said | EngineGone]:
+        return said(self.app, self.model, self.submitted, self.choices, self.handler.client_gone)
 
 
 def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
@@ -166,27 +165,17 @@ def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
     app, choices, response = answer.app, answer.choices, answer.response
     for choice, echo in zip(choices, answer.echoes):
         choice.pieces.append(echo)
-    for item in answer.events():
+    for item in answer.said():
         if isinstance(item, EngineGone):
             raise as_http_error(item.error)
-        tag, event = item
-        choices[tag].pieces.append(choices[tag].split(event.text, isinstance(event, FinishEvent))[1])
-        if isinstance(event, TokenEvent):
-            if event.logprob is not None:
-                choices[tag].tokens.append(event)
-            continue
-        choices[tag].finish = event
-        if ballot is not None and ballot.finished(tag, choices[tag].text, event.reason,
-                                                  event.usage.completion_tokens):
-            app.metrics.add("reame_conclave_early_stops_total")
+        if item.finish is not None and ballot is not None:
+            choice = choices[item.tag]
+            voted = choice.text + "".join(f"{call.name}({call.arguments})" for call in choice.calls)
+            if ballot.finished(item.tag, voted, item.finish.reason, item.finish.usage.completion_tokens):
+                app.metrics.add("reame_conclave_early_stops_total")
     if any(choice.finish is None for choice in choices):
         return  # the client left
     answer.finished()
-    account(app, answer.model, choices)
-    for choice in choices:
-        if choice.parser is not None:  # the text becomes content and tool calls
-            said = choice.parser.feed(choice.text) + choice.parser.finish()
-            choice.pieces = [item for kind, item in said if kind == "content"]
     # A timeout first (a retry may succeed), then an error.
     for reason in ("timeout", "error"):
         ended = next((c.finish for c in choices if c.finish and c.finish.reason == reason), None)
@@ -218,60 +207,37 @@ def stream_answer(answer: Answer, include_usage: bool) -> None:
             if first is not None:
                 handler.send_event(first)
         remaining = len(choices)
-        for item in answer.events():
+        for item in answer.said():
             if isinstance(item, EngineGone):  # the stream has begun: the error goes in it, and it ends
                 failed = failure(item.finish(answer.prompt_tokens))
                 assert failed is not None
                 handler.send_event(failed.body())
                 return
-            tag, event = item
-            choice = choices[tag]
-            thinking, text = choice.split(event.text, isinstance(event, FinishEvent))
-            if thinking:
-                handler.send_event(response.reasoning_chunk(tag, thinking))
-            if isinstance(event, TokenEvent):
-                if event.logprob is not None:
-                    choice.tokens.append(event)
-                if choice.parser is not None:
-                    send_said(handler, response, tag, choice, choice.parser.feed(text))
-                elif text and not choice.tokens:
-                    handler.send_event(response.text_chunk(tag, text))
-                elif text:  # held-back tokens' logprobs ride along with the next chunk
-                    handler.send_event(response.chunk(tag, text, tokens=choice.tokens))
-                    choice.tokens = []
-                continue
-            choice.finish = event
-            remaining -= 1
-            if not remaining:
-                answer.finished()
-            failed = failure(event)
-            if failed is not None:
-                handler.send_event(failed.body())
-                continue
-            if choice.parser is not None:
-                send_said(handler, response, tag, choice, choice.parser.feed(text) + choice.parser.finish())
-                text = ""
-            handler.send_event(response.chunk(tag, text, choice.finish_reason(), choice.tokens))
+            tag, choice = item.tag, choices[item.tag]
+            if item.thinking:
+                handler.send_event(response.reasoning_chunk(tag, item.thinking))
+            elif item.text and choice.tokens:  # held-back tokens' logprobs ride along with the next text
+                handler.send_event(response.chunk(tag, item.text, tokens=choice.tokens))
+                choice.tokens = []
+            elif item.text:
+                handler.send_event(response.text_chunk(tag, item.text))
+            elif item.call is not None:
+                handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item.call), item.call))
+            elif item.finish is not None:
+                remaining -= 1
+                if not remaining:
+                    answer.finished()
+                failed = failure(item.finish)
+                handler.send_event(failed.body() if failed is not None else
+                                   response.chunk(tag, "", choice.finish_reason(), choice.tokens))
         if remaining:
             return  # the client left
-        account(answer.app, answer.model, choices)
         if include_usage:
             handler.send_event(response.usage_chunk(choices, answer.prompt_tokens))
         handler.send_event("[DONE]")
     except OSError:  # the client went away: stop generating for it
         for handle in answer.submitted.handles:
             handle.cancel()
-
-
-def send_said(handler: Handler, response: Response, tag: int, choice: Choice,
-              said: list[tuple[str, Any]]) -> None:
-    """Stream what a tool-call parser let through: content chunks, and each finished call."""
-    for kind, item in said:
-        if kind == "content":
-            handler.send_event(response.chunk(tag, item, tokens=choice.tokens))
-            choice.tokens = []
-        else:
-            handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item), item))
 
 
 def session_for(model: ServedModel, owner: str, fields: Fields, n: int,

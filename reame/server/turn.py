@@ -9,10 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from reame.engine import Engine, FinishEvent, GenerationRequest, TokenEvent
+from reame.engine import Engine, FinishEvent, GenerationRequest
 from reame.errors import OverloadedError, RequestError
 from reame.server.exchange import StoredAnswer
-from reame.server.exchange import EngineGone, Submitted, account, events, submit
+from reame.server.exchange import EngineGone, Said, Submitted, submit
+from reame.server.exchange import said as said_by_choices
 from reame.server.generation import CACHE_HEADER
 from reame.server.http import Handler, HttpError
 from reame.server.models import ServedModel
@@ -22,16 +23,6 @@ from reame.server.shapes import Choice
 from reame.structured.thinking import ThinkingSplitter
 from reame.structured.requested import forced_tool_grammar
 from reame.structured.tools import ToolCall, ToolRequest, template_messages, tool_parser
-
-
-@dataclass
-class Said:
-    """A piece of the answer: text, a finished tool call, or (last) the end."""
-
-    text: str = ""
-    call: ToolCall | None = None
-    finish: FinishEvent | None = None
-    thinking: str = ""  # a thinking model's text between <think> and </think>
 
 
 @dataclass
@@ -98,32 +89,12 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
     meanwhile ends it as an error, engine_unavailable). Stops, cancelling the generation, when the client
     goes away."""
     choice = turn.choice
-    for item in events(app, turn.model, turn.submitted, handler.client_gone):
+    for item in said_by_choices(app, turn.model, turn.submitted, [choice], handler.client_gone):
         if isinstance(item, EngineGone):  # the answer ends in an error every family can say
             choice.finish = item.finish(turn.prompt_tokens)
             yield Said(finish=choice.finish)
             return
-        _, event = item
-        parser = choice.parser
-        final = isinstance(event, FinishEvent)
-        thinking, text = choice.split(event.text, final)
-        if thinking:
-            yield Said(thinking=thinking)
-        if isinstance(event, TokenEvent):
-            pieces: list[tuple[str, Any]] = parser.feed(text) if parser is not None else [("content", text)]
-        else:
-            pieces = parser.feed(text) + parser.finish() if parser is not None else [("content", text)]
-        for kind, piece in pieces:
-            if kind == "content" and piece:
-                choice.pieces.append(piece)
-                yield Said(text=piece)
-            elif kind != "content":
-                yield Said(call=piece)
-        if isinstance(event, FinishEvent):
-            choice.finish = event
-            account(app, turn.model, [choice])
-            yield Said(finish=event)
-            return
+        yield item
 
 
 def whole(app: Service, handler: Handler, turn: Turn) -> tuple[list[ToolCall], FinishEvent] | None:

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.model import sampling
 from reame.model.batch_numerics import exact_batch_rows
 from reame.speculative import CostModel, PromptLookup, Speculation
 from tests.fakes.backend import BATCH_NOISE, N_VOCAB, FakeBackend
@@ -87,7 +88,10 @@ def test_the_same_check_fails_when_drafts_may_fill_bigger_batches():
     assert unbounded[0].text != plain[0].text
 
 
-def test_an_unseeded_sampled_answer_still_drafts_past_the_exact_size():
+def test_an_unseeded_sampled_answer_still_drafts_past_the_exact_size(monkeypatch):
+    # The request has no seed (it promises no particular answer); the seed the engine then draws is fixed
+    # here so that the sample copies the text (some draws leave it early, and nothing is left to draft).
+    monkeypatch.setattr(sampling.random, "randrange", lambda *_: 0)
     _, fake = answers(SamplingParams(temperature=0.9, max_tokens=150, ignore_eos=True), [COPY_TEXT * 3],
                       speculate=True)
     assert max(generating_rows(fake)) > EXACT_ROWS
