@@ -29,14 +29,14 @@ from reame.errors import FetchError
 from reame.server import turn
 from reame.server.http import Handler, HttpError
 from reame.server.routes import Route
-from reame.semantic import chat_question
+from reame.semantic import Question, chat_question
 from reame.server.exchange import shape
 from reame.server.models import FOREVER, ServedModel, loaded
 from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, embedding_count, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
-from reame.structured.tools import ToolCall, tool_request
+from reame.structured.tools import ToolCall, ToolRequest, tool_request
 
 log = logging.getLogger("reame.server")
 
@@ -213,7 +213,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         text = engine.chat_prompt(messages, enable_thinking=think_switch(body, engine))
     request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
                                 suffix=suffix or None, streamed=fields.boolean("stream", True))
-    answer(app, handler, served, name, request, seed, waited, chat=False, stream=fields.boolean("stream", True))
+    answer(app, handler, Asked(served, name, request, seed, waited, chat=False))
 
 
 def chat(app: Service, handler: Handler, _path: str) -> None:
@@ -246,8 +246,7 @@ def chat(app: Service, handler: Handler, _path: str) -> None:
     stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
     request = GenerationRequest(render(messages), dataclasses.replace(params, grammar=grammar), streamed=stream)
-    answer(app, handler, served, name, request, seed, waited, chat=True, stream=stream, tools=tools,
-           question=question)
+    answer(app, handler, Asked(served, name, request, seed, waited, chat=True, tools=tools, question=question))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,15 +270,30 @@ def durations(waited: Waited) -> dict[str, int]:
             "load_duration": int(waited.load_seconds * 1e9)}
 
 
-def answer(app: Service, handler: Handler, model: ServedModel, name: str, request: GenerationRequest,
-           seed: int | None, waited: Waited, chat: bool, stream: bool, tools: Any = None,
-           question: Any = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """A generate or chat request once its route has read it: the model held for it and the name the request
+    gave it (Ollama's answers repeat that name), the generation (streamed or not), its seed (a seeded or
+    greedy answer may come from the cache), how long the model took to be ready, and for a chat its tools
+    and its question (the semantic cache's)."""
+
+    model: ServedModel
+    name: str
+    request: GenerationRequest
+    seed: int | None
+    waited: Waited
+    chat: bool
+    tools: ToolRequest | None = None
+    question: Question | None = None
+
+
+def answer(app: Service, handler: Handler, asked: Asked) -> None:
     """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
-    kind = shape(chat, tools)
-    cacheable = request.params.temperature == 0 or seed is not None
-    current = turn.start(app, handler, model, request, tools, cacheable, kind, question,
-                         "messages" if chat else "prompt", thinks=loaded(model).backend.template_thinks[0] and
-                         (chat or not request.suffix))
+    model, name, request, waited, chat = asked.model, asked.name, asked.request, asked.waited, asked.chat
+    cacheable = request.params.temperature == 0 or asked.seed is not None
+    current = turn.start(app, handler, model, request, asked.tools, cacheable, shape(chat, asked.tools),
+                         asked.question, "messages" if chat else "prompt",
+                         thinks=loaded(model).backend.template_thinks[0] and (chat or not request.suffix))
     key = "message" if chat else "response"
 
     def piece(text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict[str, Any]:
@@ -293,7 +307,7 @@ def answer(app: Service, handler: Handler, model: ServedModel, name: str, reques
             message["tool_calls"] = [{"function": {"name": call.name, "arguments": call_arguments(call)}}
                                      for call in calls]
         return {"model": name, "created_at": now(), "message": message, "done": False}
-    if stream:
+    if request.streamed:
         handler.start_sse(NDJSON)
         try:
             for said in turn.said(app, handler, current):
