@@ -24,12 +24,12 @@ import collections
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import operator
 import re
 import sys
 import threading
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol

@@ -3,8 +3,7 @@
 Exactly one thread (started by `Engine.start`) calls the backend for inference
 and owns every slot, running request and speculation state. Callers `submit()`
 from any thread and read events from the returned Handle; other threads read
-only the frozen `EngineStatus` the engine publishes, or ask the engine thread
-to run something for them (`Engine.call`).
+only the frozen `EngineStatus` the engine publishes.
 
 The loop takes what arrived, admits waiting requests to free slots (admission.py
 decides where each one's KV comes from; sequences.py carries it out) and runs

@@ -35,6 +35,9 @@ ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose m
 CACHE_OFF, CACHE_BYPASS, CACHE_MISS, CACHE_HIT, CACHE_SEMANTIC = "off", "bypass", "miss", "hit", "semantic"
 
 Gone = Callable[[], bool]  # whether the client has left
+# A kept answer longer than this is streamed whole: an answer of server.max_answer_tokens (4,096) is tens of KB,
+# and cutting 1 MiB of text into tokens took 1.6-5.9 s and 40-110 MB on the HTTP thread (SmolLM2's vocabulary).
+REPLAY_MAX_CHARS = 64 << 10
 
 
 class Host(Protocol):
@@ -65,13 +68,13 @@ def submit(app: Host, model: ServedModel, requests: list[GenerationRequest], sin
     tokens = engine.prompt_tokens(requests[0])
     request = dataclasses.replace(requests[0], prompt=tokens, suffix=None)
     answer_key = answers.key(tokens, request.params, kind)  # (a greedy request's seed does not count)
-    handles = kept_answer(app, model, tokens, answer_key, sink, "answers")
+    handles = kept_answer(app, model, request, tokens, answer_key, sink, "answers")
     if handles is not None:
         return Submitted(handles, sink, CACHE_HIT)
     similar = look_up(model.semantic, question_embedding(app, model, gone), question, request.params, kind) \
         if question is not None and model.semantic is not None else None
     if similar is not None and similar.match is not None:
-        handles = kept_answer(app, model, tokens, similar.match.question.answer_key, sink, "semantic")
+        handles = kept_answer(app, model, request, tokens, similar.match.question.answer_key, sink, "semantic")
         if handles is not None:
             return Submitted(handles, sink, CACHE_SEMANTIC, {
                 "cache": "semantic", "similarity": round(similar.match.similarity, 4),
@@ -103,16 +106,21 @@ def shape(chat: bool, tools: ToolRequest | None) -> str:
     return ("chat" if chat else "completion") + ("+tools" if tools is not None else "")
 
 
-def kept_answer(app: Host, model: ServedModel, tokens: list[int], key: bytes, sink: queue.SimpleQueue,
-                cache: str) -> list[StoredAnswer] | None:
-    """The answer the model's cache keeps under `key` as the engine's events (in the pieces a generation
-    sends), or None on a miss (counted either way, as a lookup of `cache`: answers or semantic)."""
+def kept_answer(app: Host, model: ServedModel, request: GenerationRequest, tokens: list[int], key: bytes,
+                sink: queue.SimpleQueue, cache: str) -> list[StoredAnswer] | None:
+    """The answer the model's cache keeps under `key` as the engine's events (for a stream, in the pieces a
+    generation sends; a whole answer is joined anyway), or None on a miss (counted either way, as a lookup
+    of `cache`: answers or semantic)."""
     assert model.answers is not None
     cached = model.answers.get(key)
     app.metrics.add(f"reame_{cache}_hits_total" if cached else f"reame_{cache}_misses_total", model=model.name)
     if cached is None:
         return None
-    for event in replayed(cached.text, loaded(model).backend):
+    whole = [TokenEvent(-1, cached.text)]
+    # A kept answer comes from a file or a shared store: one far longer than what a generation of its
+    # recorded length sends (planted, or not ours) is sent whole rather than cut on the HTTP thread.
+    replay = request.streamed and len(cached.text) <= REPLAY_MAX_CHARS
+    for event in replayed(cached.text, loaded(model).backend, 2 * cached.completion_tokens + 16) if replay else whole:
         sink.put((0, event))
     sink.put((0, cached.finish(len(tokens))))
     return [StoredAnswer(tokens)]
@@ -142,12 +150,15 @@ class StoredAnswer:
         pass
 
 
-def replayed(text: str, backend: Backend) -> list[TokenEvent]:
+def replayed(text: str, backend: Backend, max_pieces: int | None = None) -> list[TokenEvent]:
     """A kept answer as the events a generation of it streams: one per token, each with the text that
     token completes (a character split across tokens arrives whole, as the engine sends it). Clients and
     the thinking and tool-call parsers then see a kept answer arrive as a computed one does. A text that
-    does not tokenize back to itself (a tokenizer that adds a leading space, say) arrives as one piece."""
+    does not tokenize back to itself (a tokenizer that adds a leading space, say), or into more than
+    `max_pieces` tokens, arrives as one piece."""
     tokens = backend.tokenize(text, add_special=False, parse_special=False)
+    if max_pieces is not None and len(tokens) > max_pieces:
+        return [TokenEvent(-1, text)]
     stream = TextStream()
     events = [TokenEvent(token, stream.push(backend.token_piece(token))) for token in tokens]
     events.append(TokenEvent(-1, stream.flush()))

@@ -78,7 +78,7 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
             released = True
             app.ready_sessions(model).release(handler.owner, reserved[0])
     try:
-        submitted = submitted_ask(app, handler, fields, model, ask, n, seed, reserved[1] if reserved else None)
+        submitted = submitted_ask(app, handler, fields, model, ask, n, seed, stream, reserved[1] if reserved else None)
         answer = answer_for(app, handler, model, ask, submitted, release_session)
         if stream:
             stream_answer(answer, include_usage)
@@ -89,13 +89,13 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
 
 
 def submitted_ask(app: Service, handler: Handler, fields: Fields, model: ServedModel, ask: Ask, n: int,
-                  seed: int | None, session: Any) -> Submitted:
+                  seed: int | None, stream: bool, session: Any) -> Submitted:
     """Every generation `ask` needs (n choices or the Conclave's attempts per prompt, seeded per choice from
     `seed`), submitted through the exchange; the cache header says where the answer comes from. The last
     fields are read before anything is submitted: a 400 after it would leave generations running."""
     base = dataclasses.replace(sampling_params(fields, ask.max_tokens, None), grammar=ask.grammar)
     requests = [GenerationRequest(prompt, params, logprobs=ask.logprobs, session=session, suffix=ask.suffix,
-                                  streamed=fields.boolean("stream", False))
+                                  streamed=stream)
                 for prompt_index, prompt in enumerate(ask.prompts)
                 for params in attempt_params(base, seed, prompt_index, n, ask.elect_among)]
     # One deterministic answer (greedy, or an explicit seed) may have been kept.
@@ -116,13 +116,14 @@ def answer_for(app: Service, handler: Handler, model: ServedModel, ask: Ask, sub
     engine, handles = loaded(model), submitted.handles
     group = len(handles) // len(ask.prompts)  # handles per prompt: its n choices or its attempts
     prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(ask.prompts)))
-    prompt_texts = [echo_text(engine, ask.prompts[i // group]) for i in range(len(handles))]
+    # Each prompt's text (a token prompt detokenized once), only where an echo or a thinking model needs it.
+    texts = [echo_text(engine, prompt) if ask.echo or ask.thinks else "" for prompt in ask.prompts]
     response = Response(ask.chat, model.name, engine.backend.token_piece if ask.logprobs is not None else None,
                         per_prompt=group)
     choices = [Choice(parser=tool_parser(ask.tools), computed=not isinstance(handle, StoredAnswer),
-                      thinker=ThinkingSplitter.for_prompt(prompt_texts[i]) if ask.thinks else None)
+                      thinker=ThinkingSplitter.for_prompt(texts[i // group]) if ask.thinks else None)
                for i, handle in enumerate(handles)]
-    echoes = prompt_texts if ask.echo else [""] * len(handles)
+    echoes = [texts[i // group] if ask.echo else "" for i in range(len(handles))]
     return Answer(app, handler, model, submitted, response, choices, echoes, prompt_tokens, finished)
 
 
@@ -209,9 +210,7 @@ def stream_answer(answer: Answer, include_usage: bool) -> None:
         remaining = len(choices)
         for item in answer.said():
             if isinstance(item, EngineGone):  # the stream has begun: the error goes in it, and it ends
-                failed = failure(item.finish(answer.prompt_tokens))
-                assert failed is not None
-                handler.send_event(failed.body())
+                handler.send_event(as_http_error(item.error).body())
                 return
             tag, choice = item.tag, choices[item.tag]
             if item.thinking:

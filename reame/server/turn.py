@@ -30,11 +30,14 @@ class Turn:
     model: ServedModel
     submitted: Submitted
     choice: Choice
-    prompt_tokens: int = 0
 
     @property
     def handle(self) -> Any:
         return self.submitted.handles[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.handle.prompt_tokens)
 
     @property
     def marks(self) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def start(app: Service, handler: Handler, model: ServedModel, request: Generatio
     handle = submitted.handles[0]
     thinker = ThinkingSplitter.for_prompt(request.prompt) if thinks and isinstance(request.prompt, str) else None
     choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer), thinker=thinker)
-    return Turn(model, submitted, choice, len(handle.prompt_tokens))
+    return Turn(model, submitted, choice)
 
 
 def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:

@@ -8,12 +8,12 @@ import re
 import pytest
 
 from reame.arca.client import StoreAddress, StoreClient
-from reame.engine import Engine
+from reame.engine import Engine, FinishEvent, Usage
 from reame.errors import ConfigError
 from tests.fakes.backend import FakeBackend
 from reame.cache.answers import DiskAnswers, RamAnswers
 from reame.answers import AnswerCache, SharedAnswers
-from reame.server.exchange import replayed
+from reame.server.exchange import REPLAY_MAX_CHARS, replayed
 from tests.arca_thread import arca_thread
 from tests.live_server import free_port
 from tests.unit.test_server import Live
@@ -295,3 +295,38 @@ def test_a_kept_answer_that_does_not_tokenize_back_to_itself_arrives_whole():
         def token_piece(self, token: int) -> bytes:
             return b" " + super().token_piece(token) if token == ord("h") else super().token_piece(token)
     assert [event.text for event in replayed("hi", LeadingSpace())] == ["hi"]
+
+
+class RecordingTier(RamAnswers):
+    """A RAM tier that remembers the last key it kept: where a test plants another value."""
+
+    key = b""
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        self.key = key
+        return super().put(key, value)
+
+
+@pytest.mark.parametrize("planted,completion_tokens", [
+    ("x" * 200, 5),  # far more tokens than the generation it claims to be sent
+    ("word " * (REPLAY_MAX_CHARS // 5 + 1), 1_000_000),  # past the replay's size bound, whatever it claims
+], ids=["more-tokens-than-recorded", "over-the-size-bound"])
+def test_a_kept_answer_unlike_any_generation_streams_whole_without_being_cut(planted, completion_tokens):
+    """A kept answer comes from a file or a shared store that another writer may fill: cutting a planted
+    megabyte into tokens took seconds on the HTTP thread, so such a text is sent as one piece."""
+    tier = RecordingTier(1 << 22)
+    live, engine, backend = node(tier)
+    try:
+        body = {"prompt": "hello there", "max_tokens": 12, "temperature": 0, "stream": True}
+        live.request("POST", "/v1/completions", body)
+        live.model.answers.put(tier.key, planted, FinishEvent("stop", Usage(3, completion_tokens, 0.0, 0.0)))
+        tokenized = []
+        original = backend.tokenize
+        backend.tokenize = lambda text, *args, **kwargs: tokenized.append(len(text)) or original(text, *args, **kwargs)
+        response, data = live.request("POST", "/v1/completions", body)
+        pieces = [chunk["choices"][0]["text"] for chunk in sse_data(data) if chunk["choices"][0]["text"]]
+        assert response.getheader("X-Reame-Cache") == "hit" and pieces == [planted]
+        assert max(tokenized, default=0) <= REPLAY_MAX_CHARS  # the bound is checked before any tokenizing
+    finally:
+        live.close()
+        engine.close()
