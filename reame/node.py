@@ -23,7 +23,7 @@ from reame.model.backend import ModelSettings
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.native import cache_root
-from reame.server.http import ServerSettings
+from reame.server.settings import ServerSettings
 from reame.server.models import FOREVER, ModelFacts, ModelPool, ServedModel
 from reame.server.run import serve
 from reame.server.sessions import Sessions

@@ -11,7 +11,9 @@ from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
 from reame.server.apis import anthropic, ollama, openai, responses, sessions
 from reame.server.forgery import allowed_hosts, forged
-from reame.server.http import Handler, HttpError, ServerSettings
+from reame.server.client import HttpError, Whole
+from reame.server.http import Handler
+from reame.server.settings import ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.models import ModelPool
 from reame.server.routes import Route, Router
@@ -129,39 +131,40 @@ class App(Service):
         dead = [(model.name, model.engine.status.dead) for model in self.models.loaded()
                 if model.engine is not None and model.engine.status.dead]
         if not self.ready:
-            handler.send_json(503, {"status": "loading", "auth": auth}, {"Retry-After": "5"})
+            handler.send(Whole(503, {"status": "loading", "auth": auth}, {"Retry-After": "5"}))
         elif dead:
-            handler.send_json(503, {"status": "error", "message": dead[0][1], "model": dead[0][0], "auth": auth})
+            handler.send(Whole(503, {"status": "error", "message": dead[0][1], "model": dead[0][0], "auth": auth}))
         else:
-            handler.send_json(200, {"status": "ok", "auth": auth})
+            handler.send(Whole(200, {"status": "ok", "auth": auth}))
 
     def web_page(self, handler: Handler, _path: str) -> None:
         """The built-in page (reame/web/index.html): chat playground and live dashboard."""
-        handler.send_body(200, WEB_PAGE, "text/html; charset=utf-8",
-                          {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
-                           "Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
-                                                      "style-src 'unsafe-inline'; img-src 'self' data:"})
+        handler.send(Whole(200, WEB_PAGE, {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                                           "Content-Security-Policy": "default-src 'self'; script-src "
+                                           "'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:"},
+                           "text/html; charset=utf-8"))
 
     def stats(self, handler: Handler, _path: str) -> None:
         """Every metric as JSON, with the model and the server's clock: what the dashboard polls."""
         if not self.settings.metrics:
             raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
-        handler.send_json(200, {"model": self.models.default.name, "time": time.time(),
-                                "samples": self.metrics.as_json()})
+        handler.send(Whole(200, {"model": self.models.default.name, "time": time.time(),
+                                "samples": self.metrics.as_json()}))
 
     def metrics_text(self, handler: Handler, _path: str) -> None:
         if not self.settings.metrics:
             raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
-        handler.send_body(200, self.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+        handler.send(Whole(200, self.metrics.render().encode(),
+                           content_type="text/plain; version=0.0.4; charset=utf-8"))
 
 
 
 def answer_error(handler: Handler, route: Route | None, error: HttpError) -> None:
     """The error in the shape of the route's API family (OpenAI's unless the route says otherwise)."""
     if route is not None and route.error_body is not None:
-        handler.send_json(error.status, route.error_body(error), error.headers)
+        handler.send(Whole(error.status, route.error_body(error), error.headers))
     else:
-        handler.send_error_json(error)
+        handler.send(error.whole())
 
 
 ROUTER = Router([

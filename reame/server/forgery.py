@@ -14,7 +14,7 @@ import ipaddress
 from collections.abc import Iterable
 from email.message import Message
 
-from reame.server.http import HttpError
+from reame.server.client import HttpError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_TYPE = "application/json"

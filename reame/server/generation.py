@@ -17,7 +17,7 @@ from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.errors import OverloadedError, RequestError
 from reame.model.sampling import MAX_SEED
 from reame.server.exchange import EngineGone, Said, StoredAnswer, Submitted, said, shape, submit
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, Client, Event, Header, HttpError, Opening, Whole
 from reame.server.models import ServedModel, loaded
 from reame.semantic import Question
 from reame.server.service import Service, as_http_error, failure, refusal
@@ -53,7 +53,7 @@ class Ask:
     thinks: bool = False
 
 
-def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel, ask: Ask) -> None:
+def generate(app: Service, handler: Asker, fields: Fields, model: ServedModel, ask: Ask) -> None:
     """Answer `ask` with `model`: streamed or whole, its session reserved for as long as its turn runs."""
     n = fields.integer("n", 1, 1, MAX_CHOICES)
     generations = len(ask.prompts) * max(n, ask.elect_among)
@@ -88,7 +88,7 @@ def generate(app: Service, handler: Handler, fields: Fields, model: ServedModel,
         release_session()
 
 
-def submitted_ask(app: Service, handler: Handler, fields: Fields, model: ServedModel, ask: Ask, n: int,
+def submitted_ask(app: Service, client: Client, fields: Fields, model: ServedModel, ask: Ask, n: int,
                   seed: int | None, stream: bool, session: Any) -> Submitted:
     """Every generation `ask` needs (n choices or the Conclave's attempts per prompt, seeded per choice from
     `seed`), submitted through the exchange; the cache header says where the answer comes from. The last
@@ -103,14 +103,14 @@ def submitted_ask(app: Service, handler: Handler, fields: Fields, model: ServedM
         (base.temperature == 0 or seed is not None) and answer_cache_allowed(fields)
     try:
         submitted = submit(app, model, requests, queue.SimpleQueue(), cacheable, shape(ask.chat, ask.tools),
-                           ask.question if semantic_cache_allowed(fields) else None, handler.client_gone)
+                           ask.question if semantic_cache_allowed(fields) else None, client.gone)
     except (RequestError, OverloadedError) as error:
         raise refusal(error, "messages" if ask.chat else "prompt") from None
-    handler.response_headers[CACHE_HEADER] = submitted.cache
+    client.send(Header(CACHE_HEADER, submitted.cache))
     return submitted
 
 
-def answer_for(app: Service, handler: Handler, model: ServedModel, ask: Ask, submitted: Submitted,
+def answer_for(app: Service, client: Client, model: ServedModel, ask: Ask, submitted: Submitted,
                finished: Callable[[], None]) -> Answer:
     """The answer to make of what was submitted: one choice per handle, each prompt's echo, its shape."""
     engine, handles = loaded(model), submitted.handles
@@ -124,7 +124,7 @@ def answer_for(app: Service, handler: Handler, model: ServedModel, ask: Ask, sub
                       thinker=ThinkingSplitter.for_prompt(texts[i // group]) if ask.thinks else None)
                for i, handle in enumerate(handles)]
     echoes = [texts[i // group] if ask.echo else "" for i in range(len(handles))]
-    return Answer(app, handler, model, submitted, response, choices, echoes, prompt_tokens, finished)
+    return Answer(app, client, model, submitted, response, choices, echoes, prompt_tokens, finished)
 
 
 def attempt_params(base: SamplingParams, seed: int | None, prompt_index: int, n: int,
@@ -147,7 +147,7 @@ class Answer:
     `finished`, called once every choice has ended (it releases the session)."""
 
     app: Service
-    handler: Handler
+    client: Client
     model: ServedModel
     submitted: Submitted
     response: Response
@@ -157,7 +157,7 @@ class Answer:
     finished: Callable[[], None]
 
     def said(self) -> Iterator[Said | EngineGone]:
-        return said(self.app, self.model, self.submitted, self.choices, self.handler.client_gone)
+        return said(self.app, self.model, self.submitted, self.choices, self.client.gone)
 
 
 def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
@@ -187,7 +187,7 @@ def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
         body = response.whole(choices, answer.prompt_tokens)
         if answer.submitted.marks:
             body["reame"] = answer.submitted.marks
-        answer.handler.send_json(200, body)
+        answer.client.send(Whole(200, body))
         return
     verdicts = ballot.verdicts()
     size = ballot.group
@@ -196,44 +196,44 @@ def collect_answer(answer: Answer, ballot: Ballot | None = None) -> None:
     body["usage"] = response.usage(choices, answer.prompt_tokens)  # every attempt's tokens were generated
     body["reame"] = {"conclave": [verdict.summary() for verdict in verdicts]}
     app.metrics.add("reame_conclave_elections_total", len(verdicts))
-    answer.handler.send_json(200, body)
+    answer.client.send(Whole(200, body))
 
 
 def stream_answer(answer: Answer, include_usage: bool) -> None:
-    handler, response, choices = answer.handler, answer.response, answer.choices
-    handler.start_sse()
+    client, response, choices = answer.client, answer.response, answer.choices
+    client.send(Opening())
     try:
         for index, echo in enumerate(answer.echoes):
             first = response.first_chunk(index, echo)
             if first is not None:
-                handler.send_event(first)
+                client.send(Event(first))
         remaining = len(choices)
         for item in answer.said():
             if isinstance(item, EngineGone):  # the stream has begun: the error goes in it, and it ends
-                handler.send_event(as_http_error(item.error).body())
+                client.send(Event(as_http_error(item.error).body()))
                 return
             tag, choice = item.tag, choices[item.tag]
             if item.thinking:
-                handler.send_event(response.reasoning_chunk(tag, item.thinking))
+                client.send(Event(response.reasoning_chunk(tag, item.thinking)))
             elif item.text and choice.tokens:  # held-back tokens' logprobs ride along with the next text
-                handler.send_event(response.chunk(tag, item.text, tokens=choice.tokens))
+                client.send(Event(response.chunk(tag, item.text, tokens=choice.tokens)))
                 choice.tokens = []
             elif item.text:
-                handler.send_event(response.text_chunk(tag, item.text))
+                client.send(Event(response.text_chunk(tag, item.text)))
             elif item.call is not None:
-                handler.send_event(response.tool_call_chunk(tag, choice.calls.index(item.call), item.call))
+                client.send(Event(response.tool_call_chunk(tag, choice.calls.index(item.call), item.call)))
             elif item.finish is not None:
                 remaining -= 1
                 if not remaining:
                     answer.finished()
                 failed = failure(item.finish)
-                handler.send_event(failed.body() if failed is not None else
-                                   response.chunk(tag, "", choice.finish_reason(), choice.tokens))
+                client.send(Event(failed.body() if failed is not None else
+                                   response.chunk(tag, "", choice.finish_reason(), choice.tokens)))
         if remaining:
             return  # the client left
         if include_usage:
-            handler.send_event(response.usage_chunk(choices, answer.prompt_tokens))
-        handler.send_event("[DONE]")
+            client.send(Event(response.usage_chunk(choices, answer.prompt_tokens)))
+        client.send(Event("[DONE]"))
     except OSError:  # the client went away: stop generating for it
         for handle in answer.submitted.handles:
             handle.cancel()

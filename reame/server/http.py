@@ -32,11 +32,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
+from reame.server.settings import ServerSettings
+from reame.server.client import Event, Frame, Header, HttpError, Line, Opening, Whole
 from reame.server.sessions import key_owner
 
 log = logging.getLogger("reame.server")
@@ -54,40 +56,6 @@ UNLIMITED_ROUTES = ("/health",)  # answered even when every request slot is take
 # and each parsed empty object costs ~80 bytes of RAM that Python does not give back at once (a 3 MiB body of
 # 2^20 of them added ~100 MiB to the server's RSS).
 MAX_JSON_CONTAINERS = 100_000
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_keys: tuple[str, ...] = ()
-    cors_origin: str = ""  # "" = CORS off; "*" or an origin to allow
-    allowed_hosts: tuple[str, ...] = ()  # the Host names requests may address (forgery.allowed_hosts)
-    max_connections: int = 256  # open sockets
-    max_requests: int = 64  # requests being answered at once
-    max_body_bytes: int = 10 << 20
-    idle_timeout_s: float = 30.0
-    header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
-    request_timeout_s: float = 60.0  # the whole request, from its first byte
-    node_name: str = ""  # every response's X-Reame-Node ("": none)
-    grace_s: float = 30.0
-    request_log: bool = True
-    metrics: bool = True  # serve GET /metrics
-    allow_pull: bool = False  # Ollama's /api/pull fetches catalog models (false: 403)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class HttpError(Exception):
-    """An error to answer in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class RequestReader(io.RawIOBase):
@@ -224,7 +192,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             if self.reader.started and not self.response_started:
                 self.requestline, self.request_version, self.command = "", "HTTP/1.1", "POST"
-                self.send_json(408, HttpError(408, "the request did not arrive in time", code="timeout").body())
+                self.send(HttpError(408, "the request did not arrive in time", code="timeout").whole())
 
     def parse_request(self) -> bool:
         """http.server's parsing, then RFC 9112's framing rules it does not check (400 and close)."""
@@ -241,7 +209,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.read_body()  # before a request slot is taken: a slow body costs a thread, not a slot
         except HttpError as error:
-            self.send_error_json(error)
+            self.send(error.whole())
             return
         path = self.path.split("?", 1)[0]
         if path in UNLIMITED_ROUTES:
@@ -249,8 +217,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self.server.request_slots.acquire(blocking=False):
             self.close_connection = True
-            self.send_error_json(HttpError(503, f"{self.server.settings.max_requests} requests are being answered; "
-                                           "retry shortly", "server_error", "overloaded", headers={"Retry-After": "1"}))
+            self.send(HttpError(503, f"{self.server.settings.max_requests} requests are being answered; retry "
+                                "shortly", "server_error", "overloaded", headers={"Retry-After": "1"}).whole())
             return
         try:
             self.server.app.dispatch(self)
@@ -277,7 +245,7 @@ class Handler(BaseHTTPRequestHandler):
             self.request_version = "HTTP/1.1"  # never answer without a status line
         self.close_connection = True
         reason = message or self.responses.get(code, ("error",))[0]
-        self.send_json(code, HttpError(code, reason, code="bad_request").body())
+        self.send(HttpError(code, reason, code="bad_request").whole())
 
     # --- reading ---
 
@@ -402,11 +370,29 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.settings.node_name:  # which node of a fleet answered, behind a balancer
             self.send_header("X-Reame-Node", self.server.settings.node_name)
 
-    def send_body(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+    def send(self, frame: Frame) -> None:
+        """Send one frame of the answer (client.py); an event or a line raises OSError when the client has gone."""
+        match frame:
+            case Header(name, value):
+                self.response_headers[name] = value
+            case Whole(status, payload, headers, content_type):
+                body = payload if isinstance(payload, bytes) else \
+                    json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                self._send_whole(status, body, content_type, headers or {})
+            case Opening(content_type):
+                self._open_stream(content_type)
+            case Event(payload, name):
+                data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                                           separators=(",", ":"))
+                self._write((f"event: {name}\n" if name else "") + f"data: {data}\n\n")
+            case Line(payload):
+                self._write(json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def _send_whole(self, status: int, body: bytes, content_type: str, headers: dict[str, str]) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in {**self.response_headers, **(headers or {})}.items():
+        for name, value in {**self.response_headers, **headers}.items():
             self.send_header(name, value)
         self.send_cors_headers()
         if self.close_connection:
@@ -416,16 +402,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
         self.server.app.count_response(status)
 
-    def send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        self.send_body(status, body, "application/json", headers)
-
-    def send_error_json(self, error: HttpError) -> None:
-        self.send_json(error.status, error.body(), error.headers)
-
-    def start_sse(self, content_type: str = "text/event-stream") -> None:
-        """Start a streamed answer: server-sent events, or another stream (Ollama's NDJSON)."""
-        self.close_connection = True  # an event stream has no length: it ends with the connection
+    def _open_stream(self, content_type: str) -> None:
+        self.close_connection = True  # a stream has no length: it ends with the connection
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Cache-Control", "no-cache")
@@ -437,25 +415,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.server.app.count_response(200)
 
-    def send_event(self, payload: Any) -> None:
-        """One SSE frame; raises OSError when the client has gone."""
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
-                                                                   separators=(",", ":"))
-        self.wfile.write(b"data: " + data.encode("utf-8") + b"\n\n")
+    def _write(self, text: str) -> None:
+        self.wfile.write(text.encode("utf-8"))
         self.wfile.flush()
 
-    def send_named_event(self, name: str, payload: Any) -> None:
-        """One SSE frame with an event name (Anthropic's streams); raises OSError when the client has gone."""
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        self.wfile.write(f"event: {name}\ndata: {data}\n\n".encode("utf-8"))
-        self.wfile.flush()
-
-    def send_line(self, payload: Any) -> None:
-        """One line of a JSON-lines stream (Ollama's); raises OSError when the client has gone."""
-        self.wfile.write(json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n")
-        self.wfile.flush()
-
-    def client_gone(self) -> bool:
+    def gone(self) -> bool:
         """True when the client closed its end (checked while an answer is computed); the connection is then
         closed once the request ends."""
         if self.server.stopping:

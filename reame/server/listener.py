@@ -12,7 +12,9 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from reame.server.http import LINGER_BYTES, LINGER_S, Handler, HttpError, ServerSettings
+from reame.server.client import HttpError
+from reame.server.http import LINGER_BYTES, LINGER_S, Handler
+from reame.server.settings import ServerSettings
 
 # An idle keep-alive connection is closed to make room for a new one only after this long idle: one that just
 # finished a request is likely to send its next.

@@ -13,7 +13,7 @@ import threading
 from typing import Callable
 
 from reame.errors import ListenError
-from reame.server.http import ServerSettings
+from reame.server.settings import ServerSettings
 from reame.server.listener import ReameHTTPServer
 from reame.server.metrics import Sample
 from reame.server.app import App

@@ -13,7 +13,8 @@ from reame.engine.kv import KvStats
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.conversations import Conversations
 from reame.server.exchange import ENGINE_UNAVAILABLE, embedded
-from reame.server.http import Handler, HttpError, ServerSettings
+from reame.server.client import Asker, HttpError
+from reame.server.settings import ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.models import ModelPool, ModelUnavailable, ServedModel, UnknownModel
 from reame.server.sessions import SessionError, Sessions
@@ -74,7 +75,7 @@ class Service:
                         *kv_samples(engine.status.kv, labels)]
         return samples
 
-    def model(self, handler: Handler, requested: object, keep_alive_s: float | None = None) -> ServedModel:
+    def model(self, handler: Asker, requested: object, keep_alive_s: float | None = None) -> ServedModel:
         """The model a request's `model` names, loaded and held until the request ends (App.dispatch lets it
         go, with `keep_alive_s`: None = the server's). 404 for a model not served, 503 while the server starts
         or when the model stays busy, 500 when it fails to load."""
@@ -83,7 +84,7 @@ class Service:
             raise HttpError(503, "the model is still loading, retry shortly", "server_error", "loading",
                             headers={"Retry-After": "5"})
         try:
-            self.models.acquire(model, handler.client_gone)
+            self.models.acquire(model, handler.gone)
         except ModelUnavailable as error:
             if error.retry:
                 raise HttpError(503, str(error), "server_error", "model_busy", headers={"Retry-After": "5"}) from None
@@ -99,7 +100,7 @@ class Service:
         except UnknownModel as error:
             raise HttpError(404, str(error), param="model", code="model_not_found") from None
 
-    def release_models(self, handler: Handler) -> None:
+    def release_models(self, handler: Asker) -> None:
         """Let go of the models a request held (its answer is over)."""
         for model, keep_alive_s in handler.leases:
             self.models.release(model, keep_alive_s)

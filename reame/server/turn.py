@@ -15,7 +15,7 @@ from reame.server.exchange import StoredAnswer
 from reame.server.exchange import EngineGone, Said, Submitted, submit
 from reame.server.exchange import said as said_by_choices
 from reame.server.generation import CACHE_HEADER
-from reame.server.http import Handler, HttpError
+from reame.server.client import Client, Header, HttpError
 from reame.server.models import ServedModel
 from reame.semantic import Question
 from reame.server.service import Service, failure, refusal
@@ -71,28 +71,28 @@ def answer_grammar(tools: ToolRequest | None, requested: str | None, field: str)
     return forced_tool_grammar(tools)
 
 
-def start(app: Service, handler: Handler, model: ServedModel, request: GenerationRequest, tools: ToolRequest | None,
+def start(app: Service, client: Client, model: ServedModel, request: GenerationRequest, tools: ToolRequest | None,
           cacheable: bool, kind: str, question: Question | None = None, prompt_param: str = "messages",
           thinks: bool = False) -> Turn:
     """Submit one generation (from the caches when `cacheable` and kept); 400/429 when the engine refuses.
     `thinks`: the model thinks in <think>…</think>, said apart from the answer."""
     try:
-        submitted = submit(app, model, [request], queue.SimpleQueue(), cacheable, kind, question, handler.client_gone)
+        submitted = submit(app, model, [request], queue.SimpleQueue(), cacheable, kind, question, client.gone)
     except (RequestError, OverloadedError) as error:
         raise refusal(error, prompt_param) from None
-    handler.response_headers[CACHE_HEADER] = submitted.cache
+    client.send(Header(CACHE_HEADER, submitted.cache))
     handle = submitted.handles[0]
     thinker = ThinkingSplitter.for_prompt(request.prompt) if thinks and isinstance(request.prompt, str) else None
     choice = Choice(parser=tool_parser(tools), computed=not isinstance(handle, StoredAnswer), thinker=thinker)
     return Turn(model, submitted, choice)
 
 
-def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
+def said(app: Service, client: Client, turn: Turn) -> Iterator[Said]:
     """The answer's pieces as they come, then one with its end (counted in the metrics; an engine that died
     meanwhile ends it as an error, engine_unavailable). Stops, cancelling the generation, when the client
     goes away."""
     choice = turn.choice
-    for item in said_by_choices(app, turn.model, turn.submitted, [choice], handler.client_gone):
+    for item in said_by_choices(app, turn.model, turn.submitted, [choice], client.gone):
         if isinstance(item, EngineGone):  # the answer ends in an error every family can say
             choice.finish = item.finish(turn.prompt_tokens)
             yield Said(finish=choice.finish)
@@ -100,13 +100,13 @@ def said(app: Service, handler: Handler, turn: Turn) -> Iterator[Said]:
         yield item
 
 
-def whole(app: Service, handler: Handler, turn: Turn) -> tuple[list[ToolCall], FinishEvent] | None:
+def whole(app: Service, client: Client, turn: Turn) -> tuple[list[ToolCall], FinishEvent] | None:
     """The whole answer's tool calls and end (its text is `turn.choice.text`, its thinking
     `turn.choice.thinking`); None when the client left.
     Raises the HTTP error of an answer that failed."""
     calls: list[ToolCall] = []
     finish: FinishEvent | None = None
-    for piece in said(app, handler, turn):
+    for piece in said(app, client, turn):
         if piece.call is not None:
             calls.append(piece.call)
         finish = piece.finish or finish

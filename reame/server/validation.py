@@ -8,7 +8,7 @@ from typing import Any, overload
 from reame.engine import SamplingParams
 from reame.engine.embeddings import MAX_INPUTS
 from reame.errors import RequestError
-from reame.server.http import HttpError
+from reame.server.client import HttpError
 from reame.structured.tools import parsed_arguments
 
 MAX_CHOICES = 16

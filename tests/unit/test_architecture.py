@@ -117,14 +117,32 @@ def reached(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_below_the_api_encoders_nothing_imports_the_http_transport():
-    """Inside reame/server the exchange (a request's life after parsing) and what it stands on know no HTTP:
-    the API families encode its items into their own streams, so each can be tested without sockets."""
+TRANSPORT = "reame.server.http"
+# What may import the transport: the router that hands it requests and the listener that makes its handlers.
+TRANSPORT_USERS = {"reame.server.app", "reame.server.listener"}
+
+
+def encoders_and_below(graph: dict[str, set[str]]) -> set[str]:
+    """The API families' encoders (reame.server.apis, generation, turn) and everything they stand on."""
+    encoders = {name for name in graph if name.startswith("reame.server.apis.")} | \
+        {"reame.server.generation", "reame.server.turn"}
+    return encoders.union(*(reached(graph, name) for name in encoders))
+
+
+def test_the_api_encoders_and_what_they_stand_on_know_no_http():
+    """Inside reame/server the API families encode the exchange's items as frames sent to a client
+    (client.py: gone, send), never through the HTTP transport, so each is tested without sockets
+    (tests/fakes/client.py); only the router and the listener import it."""
     graph = imports()
-    below = {"reame.server.exchange", *reached(graph, "reame.server.exchange")}
-    assert "reame.server.exchange" in graph and not {"reame.server.http"} & below
-    assert {"reame.server.http", "reame.server.service"} & reached(graph, "reame.server.generation"), \
-        "the check sees an encoder's import of the transport"
+    assert "reame.server.exchange" in encoders_and_below(graph)
+    assert TRANSPORT not in encoders_and_below(graph)
+    assert {name for name in graph if TRANSPORT in graph[name]} <= TRANSPORT_USERS
+
+
+def test_the_transport_check_sees_an_encoder_that_imports_http():
+    graph = {name: set(targets) for name, targets in imports().items()}
+    graph["reame.server.validation"].add(TRANSPORT)  # an encoder's helper reaching for the transport
+    assert TRANSPORT in encoders_and_below(graph)
 
 
 def test_every_module_is_named_in_the_architecture_doc():

@@ -7,7 +7,7 @@ import pytest
 
 from reame.engine import Engine
 from reame.server.app import ROUTER, App
-from reame.server.http import ServerSettings
+from reame.server.settings import ServerSettings
 from reame.server.models import ModelPool, ServedModel
 from tests.fakes.backend import FakeBackend
 from tests.fakes.client import RecordingClient

@@ -11,7 +11,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import N_VOCAB, FakeBackend, gated_rule
-from reame.server.http import ServerSettings
+from reame.server.settings import ServerSettings
 from reame.server.listener import ReameHTTPServer
 from reame.server.app import App
 from reame.server.models import ModelFacts, ModelPool, ServedModel
@@ -871,22 +871,17 @@ def test_speculation_shows_in_usage_and_metrics():
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkeypatch, stream):
     """A client's next turn may arrive before the handler thread returns: it must not get 409 busy."""
+    from reame.server.client import Event, Whole
     from reame.server.http import Handler
     busy_when_sent = []
     sessions = with_sessions.model.sessions
-    original_json, original_event = Handler.send_json, Handler.send_event
+    original = Handler.send
 
-    def send_json(self, status, body, *args, **kwargs):
-        if isinstance(body, dict) and "choices" in body:
+    def send(self, frame):
+        if isinstance(frame, Whole) and "choices" in frame.payload or frame == Event("[DONE]"):
             busy_when_sent.append({key for key, entry in sessions._entries.items() if entry.busy})
-        return original_json(self, status, body, *args, **kwargs)
-
-    def send_event(self, event):
-        if event == "[DONE]":
-            busy_when_sent.append({key for key, entry in sessions._entries.items() if entry.busy})
-        return original_event(self, event)
-    monkeypatch.setattr(Handler, "send_json", send_json)
-    monkeypatch.setattr(Handler, "send_event", send_event)
+        return original(self, frame)
+    monkeypatch.setattr(Handler, "send", send)
     session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
     with_sessions.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 4, "session": session_id,
@@ -897,22 +892,17 @@ def test_a_session_is_free_again_before_its_answer_is_sent(with_sessions, monkey
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_finished_request_never_frees_the_session_for_the_next_turn(with_sessions, monkeypatch, stream):
     """The next turn reserves the session while this answer is being sent; that reservation must hold."""
+    from reame.server.client import Event, Whole
     from reame.server.http import Handler
     sessions = with_sessions.model.sessions
     session_id = with_sessions.json("POST", "/v1/sessions")[1]["id"]
-    original_json, original_event = Handler.send_json, Handler.send_event
+    original = Handler.send
 
-    def send_json(self, status, body, *args, **kwargs):
-        if isinstance(body, dict) and "choices" in body:
+    def send(self, frame):
+        if isinstance(frame, Whole) and "choices" in frame.payload or frame == Event("[DONE]"):
             sessions.acquire("", session_id)  # the client's next turn arrives
-        return original_json(self, status, body, *args, **kwargs)
-
-    def send_event(self, event):
-        if event == "[DONE]":
-            sessions.acquire("", session_id)
-        return original_event(self, event)
-    monkeypatch.setattr(Handler, "send_json", send_json)
-    monkeypatch.setattr(Handler, "send_event", send_event)
+        return original(self, frame)
+    monkeypatch.setattr(Handler, "send", send)
     with_sessions.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 4, "session": session_id,
                                                            "stream": stream})

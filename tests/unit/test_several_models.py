@@ -11,7 +11,7 @@ from reame.answers import AnswerCache
 from reame.cache.answers import RamAnswers
 from reame.engine import Engine
 from reame.server.apis.ollama import keep_alive_of
-from reame.server.http import HttpError
+from reame.server.client import HttpError
 from reame.server.models import FOREVER, ModelFacts, ModelPool, ServedModel
 from reame.server.sessions import Sessions
 from tests.fakes.backend import FakeBackend, reply_rule

@@ -16,7 +16,7 @@ from typing import Any
 
 from reame.engine import Engine, FinishEvent, GenerationRequest
 from reame.server import turn
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, Client, Event, HttpError, Opening, Whole
 from reame.server.routes import Route
 from reame.server.exchange import shape
 from reame.server.models import loaded
@@ -131,7 +131,7 @@ def prompt_of(engine: Engine, body: dict[str, Any]) -> tuple[str, ToolRequest | 
                             thinking_switch(body, engine.backend.template_thinks[1])), tools
 
 
-def messages(app: Service, handler: Handler, _path: str) -> None:
+def messages(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     model = body.get("model")
@@ -197,8 +197,8 @@ class Reply:
             return "stop_sequence", finish.stop_sequence
         return "end_turn", None
 
-    def whole(self, app: Service, handler: Handler) -> None:
-        ended = turn.whole(app, handler, self.turn)
+    def whole(self, app: Service, client: Client) -> None:
+        ended = turn.whole(app, client, self.turn)
         if ended is None:
             return  # the client left
         calls, finish = ended
@@ -206,19 +206,21 @@ class Reply:
         content = ([{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []) + \
             ([{"type": "text", "text": text}] if text else []) + [tool_use(call) for call in calls]
         reason, sequence = self.stop(finish, bool(calls))
-        handler.send_json(200, {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+        client.send(Whole(200, {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                                "usage": self.usage(finish)})
+                                "usage": self.usage(finish)}))
 
-    def stream(self, app: Service, handler: Handler) -> None:
-        handler.start_sse()
-        send = handler.send_named_event
+    def stream(self, app: Service, client: Client) -> None:
+        client.send(Opening())
+
+        def send(name: str, payload: dict[str, Any]) -> None:
+            client.send(Event(payload, name))
         index, text_open, thinking_open, calls = 0, False, False, False
         try:
             send("message_start", {"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": self.usage(None)}})
-            for said in turn.said(app, handler, self.turn):
+            for said in turn.said(app, client, self.turn):
                 if said.thinking:
                     if not thinking_open:
                         send("content_block_start", {"type": "content_block_start", "index": index,
@@ -275,12 +277,12 @@ def tool_use(call: ToolCall) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
-def count_tokens(app: Service, handler: Handler, _path: str) -> None:
+def count_tokens(app: Service, handler: Asker, _path: str) -> None:
     """The prompt's tokens as /v1/messages would render it (system, messages, tools)."""
     fields = Fields(handler.read_json())
     engine = loaded(app.model(handler, requested_model(fields)))
     prompt, _ = prompt_of(engine, fields.body)
-    handler.send_json(200, {"input_tokens": len(engine.prompt_tokens(GenerationRequest(prompt)))})
+    handler.send(Whole(200, {"input_tokens": len(engine.prompt_tokens(GenerationRequest(prompt)))}))
 
 
 ROUTES = [Route("/v1/messages", ("POST",), messages, error_body=error_body),

@@ -27,7 +27,7 @@ from reame import __version__, catalog, fetch
 from reame.engine import FinishEvent, GenerationRequest, SamplingParams
 from reame.errors import FetchError
 from reame.server import turn
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, HttpError, Line, Opening, Whole
 from reame.server.routes import Route
 from reame.semantic import Question, chat_question
 from reame.server.exchange import shape
@@ -85,15 +85,15 @@ def listed(model: ServedModel) -> dict[str, Any]:
             "details": details(model)}
 
 
-def version(app: Service, handler: Handler, _path: str) -> None:
-    handler.send_json(200, {"version": __version__})
+def version(app: Service, handler: Asker, _path: str) -> None:
+    handler.send(Whole(200, {"version": __version__}))
 
 
-def tags(app: Service, handler: Handler, _path: str) -> None:
-    handler.send_json(200, {"models": [listed(model) for model in app.models.models]})
+def tags(app: Service, handler: Asker, _path: str) -> None:
+    handler.send(Whole(200, {"models": [listed(model) for model in app.models.models]}))
 
 
-def ps(app: Service, handler: Handler, _path: str) -> None:
+def ps(app: Service, handler: Asker, _path: str) -> None:
     """The models loaded now, with when their keep-alive ends (far in the future: never)."""
     running = []
     for model in app.models.loaded():
@@ -103,10 +103,10 @@ def ps(app: Service, handler: Handler, _path: str) -> None:
         ends = datetime.datetime.fromtimestamp(expires, datetime.timezone.utc) if expires is not None else NEVER
         running.append({**entry, "size": model.memory_bytes or entry["size"], "size_vram": 0,
                         "expires_at": timestamp(ends), "context_length": model.context_length()})
-    handler.send_json(200, {"models": running})
+    handler.send(Whole(200, {"models": running}))
 
 
-def show(app: Service, handler: Handler, _path: str) -> None:
+def show(app: Service, handler: Asker, _path: str) -> None:
     """A served model's facts, from its file: it is not loaded for this."""
     fields = Fields(handler.read_json())
     model = app.served(model_name(fields))
@@ -114,11 +114,11 @@ def show(app: Service, handler: Handler, _path: str) -> None:
     engine = model.engine
     capabilities = ["completion", "tools"] + \
         (["insert"] if engine is not None and engine.backend.fim_tokens() is not None else [])
-    handler.send_json(200, {
+    handler.send(Whole(200, {
         "modelfile": "", "parameters": "", "template": "", "details": details(model),
         "model_info": {"general.architecture": facts.architecture,
                        f"{facts.architecture}.context_length": facts.context_train},
-        "capabilities": capabilities, "modified_at": listed(model)["modified_at"]})
+        "capabilities": capabilities, "modified_at": listed(model)["modified_at"]}))
 
 
 def keep_alive_of(body: dict[str, Any]) -> float | None:
@@ -181,7 +181,7 @@ def no_images(message: dict[str, Any], where: str) -> None:
         raise HttpError(400, f"{where}.images: this model reads text only", param=f"{where}.images")
 
 
-def generate(app: Service, handler: Handler, _path: str) -> None:
+def generate(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     name = model_name(fields)
@@ -200,8 +200,8 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
         else:
             app.model(handler, name, keep_alive)
             reason = "load"
-        handler.send_json(200, {"model": name, "created_at": now(), "response": "", "done": True,
-                                "done_reason": reason})
+        handler.send(Whole(200, {"model": name, "created_at": now(), "response": "", "done": True,
+                                "done_reason": reason}))
         return
     params, seed = options_of(body)
     served, waited = held(app, handler, name, keep_alive)
@@ -216,7 +216,7 @@ def generate(app: Service, handler: Handler, _path: str) -> None:
     answer(app, handler, Asked(served, name, request, seed, waited, chat=False))
 
 
-def chat(app: Service, handler: Handler, _path: str) -> None:
+def chat(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     name = model_name(fields)
@@ -257,7 +257,7 @@ class Waited:
     load_seconds: float
 
 
-def held(app: Service, handler: Handler, name: str, keep_alive: float | None) -> tuple[ServedModel, Waited]:
+def held(app: Service, handler: Asker, name: str, keep_alive: float | None) -> tuple[ServedModel, Waited]:
     """The request's model, held for it (Service.model), and how long that took."""
     started = time.perf_counter()
     served = app.model(handler, name, keep_alive)
@@ -287,7 +287,7 @@ class Asked:
     question: Question | None = None
 
 
-def answer(app: Service, handler: Handler, asked: Asked) -> None:
+def answer(app: Service, handler: Asker, asked: Asked) -> None:
     """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
     model, name, request, waited, chat = asked.model, asked.name, asked.request, asked.waited, asked.chat
     cacheable = request.params.temperature == 0 or asked.seed is not None
@@ -308,20 +308,20 @@ def answer(app: Service, handler: Handler, asked: Asked) -> None:
                                      for call in calls]
         return {"model": name, "created_at": now(), "message": message, "done": False}
     if request.streamed:
-        handler.start_sse(NDJSON)
+        handler.send(Opening(NDJSON))
         try:
             for said in turn.said(app, handler, current):
                 if said.finish is not None:
                     final = closing(said.finish, waited, current.prompt_tokens, current.cached)
                     failed = failure(said.finish)
                     if failed is not None:
-                        handler.send_line({"error": failed.message})
+                        handler.send(Line({"error": failed.message}))
                         return
-                    handler.send_line({**piece(""), **final})
+                    handler.send(Line({**piece(""), **final}))
                 elif said.call is not None:
-                    handler.send_line(piece("", [said.call]))
+                    handler.send(Line(piece("", [said.call])))
                 elif said.text or said.thinking:
-                    handler.send_line(piece(said.text, thinking=said.thinking))
+                    handler.send(Line(piece(said.text, thinking=said.thinking)))
         except OSError:  # the client went away: stop generating for it
             current.handle.cancel()
         return
@@ -330,8 +330,8 @@ def answer(app: Service, handler: Handler, asked: Asked) -> None:
         return  # the client left
     calls, finish = ended
     whole = piece(current.choice.text, calls, "".join(current.choice.thinking))
-    handler.send_json(200, {**whole, key: whole[key], **closing(finish, waited, current.prompt_tokens,
-                                                                current.cached)})
+    handler.send(Whole(200, {**whole, key: whole[key], **closing(finish, waited, current.prompt_tokens,
+                                                                current.cached)}))
 
 
 def think_switch(body: dict[str, Any], engine: Any) -> bool | None:
@@ -362,7 +362,7 @@ def closing(finish: FinishEvent, waited: Waited, prompt_tokens: int, cached: boo
             "eval_duration": int(usage.decode_seconds * 1e9)}
 
 
-def embed(app: Service, handler: Handler, path: str) -> None:
+def embed(app: Service, handler: Asker, path: str) -> None:
     """/api/embed (`input`: a string or strings; `embeddings`) and the older /api/embeddings (`prompt`;
     `embedding`)."""
     fields = Fields(handler.read_json())
@@ -378,17 +378,17 @@ def embed(app: Service, handler: Handler, path: str) -> None:
     served, waited = held(app, handler, name, keep_alive)
     backend = loaded(served).backend
     tokens = [backend.tokenize(text, add_special=True, parse_special=False) for text in texts]
-    vectors = app.embeddings(handler.client_gone, served, tokens)
+    vectors = app.embeddings(handler.gone, served, tokens)
     if vectors is None:
         return
     if older:
-        handler.send_json(200, {"embedding": vectors[0]})
+        handler.send(Whole(200, {"embedding": vectors[0]}))
         return
-    handler.send_json(200, {"model": name, "embeddings": vectors, **durations(waited),
-                            "prompt_eval_count": sum(map(len, tokens))})
+    handler.send(Whole(200, {"model": name, "embeddings": vectors, **durations(waited),
+                            "prompt_eval_count": sum(map(len, tokens))}))
 
 
-def pull(app: Service, handler: Handler, _path: str) -> None:
+def pull(app: Service, handler: Asker, _path: str) -> None:
     """Fetch a catalog model to this machine. A server serves the models its settings name
     (server.models): a model pulled here is served once they name it."""
     if not app.settings.allow_pull:  # any client could otherwise fill the disk with the catalog (~16 GB)
@@ -410,11 +410,11 @@ def pull(app: Service, handler: Handler, _path: str) -> None:
         steps.append({"status": "verifying sha256 digest"})
     steps.append({"status": "success"})
     if not stream:
-        handler.send_json(200, steps[-1])
+        handler.send(Whole(200, steps[-1]))
         return
-    handler.start_sse(NDJSON)
+    handler.send(Opening(NDJSON))
     for step in steps:
-        handler.send_line(step)
+        handler.send(Line(step))
 
 
 ROUTES = [Route(path, methods, function, error_body=error_body) for path, methods, function in (

@@ -13,7 +13,7 @@ from typing import Any
 from reame.engine import FinishEvent, GenerationRequest
 from reame.server import generation, turn
 from reame.server.exchange import CACHE_BYPASS, EngineGone, Submitted, events
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.semantic import chat_question
 from reame.server.models import loaded
@@ -24,11 +24,11 @@ from reame.structured.requested import requested_grammar
 from reame.structured.tools import tool_request
 
 
-def models(app: Service, handler: Handler, _path: str) -> None:
-    handler.send_json(200, {"object": "list", "data": [app.model_card(model) for model in app.models.models]})
+def models(app: Service, handler: Asker, _path: str) -> None:
+    handler.send(Whole(200, {"object": "list", "data": [app.model_card(model) for model in app.models.models]}))
 
 
-def model(app: Service, handler: Handler, path: str) -> None:
+def model(app: Service, handler: Asker, path: str) -> None:
     """One served model's card, by its name or an alias."""
     wanted = path[len("/v1/models/"):]
     found = next((served for served in app.models.models if served.answers_to(wanted)), None)
@@ -36,10 +36,10 @@ def model(app: Service, handler: Handler, path: str) -> None:
         raise HttpError(404, f"the model '{wanted[:100]}' does not exist; this server serves "
                         f"{', '.join(repr(served.name) for served in app.models.models)}", param="model",
                         code="model_not_found")
-    handler.send_json(200, app.model_card(found))
+    handler.send(Whole(200, app.model_card(found)))
 
 
-def warm(app: Service, handler: Handler, _path: str) -> None:
+def warm(app: Service, handler: Asker, _path: str) -> None:
     """Prefill a prompt (or a chat's messages, without the assistant turn) into the prefix cache."""
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
@@ -55,13 +55,13 @@ def warm(app: Service, handler: Handler, _path: str) -> None:
     request = GenerationRequest(prompt, warm=True)
     if engine.cache is None:
         tokens = app.submit_checked(lambda: engine.prompt_tokens(request))
-        handler.send_json(200, {"object": "warm", "warmed": False, "tokens": len(tokens), "cached_tokens": 0,
-                                "message": "the prefix cache is off on this server"})
+        handler.send(Whole(200, {"object": "warm", "warmed": False, "tokens": len(tokens), "cached_tokens": 0,
+                                "message": "the prefix cache is off on this server"}))
         return
     sink: queue.SimpleQueue = queue.SimpleQueue()
     handle = app.submit_checked(lambda: engine.submit(request, sink))
     finish = None
-    for item in events(app, served, Submitted([handle], sink, CACHE_BYPASS), handler.client_gone):
+    for item in events(app, served, Submitted([handle], sink, CACHE_BYPASS), handler.gone):
         if isinstance(item, EngineGone):
             raise as_http_error(item.error)
         finish = item[1] if isinstance(item[1], FinishEvent) else finish
@@ -72,22 +72,22 @@ def warm(app: Service, handler: Handler, _path: str) -> None:
                         "server_error", "warm_failed")
     usage = finish.usage
     shared = engine.cache.share(handle.prompt_tokens)  # a fleet's store then holds it for every node
-    handler.send_json(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
+    handler.send(Whole(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
                             "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3),
-                            "shared": shared})
+                            "shared": shared}))
 
 
-def tokenize(app: Service, handler: Handler, _path: str) -> None:
+def tokenize(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     content = fields.body.get("content")
     if not isinstance(content, str):
         raise fields.bad("content", "a string")
     backend = loaded(app.model(handler, requested_model(fields))).backend
     tokens = backend.tokenize(content, add_special=fields.boolean("add_special", False))
-    handler.send_json(200, {"tokens": tokens})
+    handler.send(Whole(200, {"tokens": tokens}))
 
 
-def detokenize(app: Service, handler: Handler, _path: str) -> None:
+def detokenize(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     tokens = fields.body.get("tokens")
     backend = loaded(app.model(handler, requested_model(fields))).backend
@@ -96,10 +96,10 @@ def detokenize(app: Service, handler: Handler, _path: str) -> None:
     if any(not 0 <= t < backend.n_vocab for t in tokens):
         raise HttpError(400, f"'tokens' holds an id outside the vocabulary (0..{backend.n_vocab - 1})",
                         param="tokens", code="invalid_value")
-    handler.send_json(200, {"content": backend.detokenize(tokens)})
+    handler.send(Whole(200, {"content": backend.detokenize(tokens)}))
 
 
-def embeddings(app: Service, handler: Handler, _path: str) -> None:
+def embeddings(app: Service, handler: Asker, _path: str) -> None:
     """OpenAI's embeddings: one unit-length vector per input, from the model's embedding context."""
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
@@ -114,17 +114,17 @@ def embeddings(app: Service, handler: Handler, _path: str) -> None:
                         f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
     inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
               else list(item) for item in embedding_inputs(fields.body.get("input"))]
-    vectors = app.embeddings(handler.client_gone, served, inputs)
+    vectors = app.embeddings(handler.gone, served, inputs)
     if vectors is None:
         return
     data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
             for index, vector in enumerate(vectors)]
     used = sum(len(tokens) for tokens in inputs)
-    handler.send_json(200, {"object": "list", "data": data, "model": served.name,
-                            "usage": {"prompt_tokens": used, "total_tokens": used}})
+    handler.send(Whole(200, {"object": "list", "data": data, "model": served.name,
+                            "usage": {"prompt_tokens": used, "total_tokens": used}}))
 
 
-def completions(app: Service, handler: Handler, _path: str) -> None:
+def completions(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
     prompts = completion_prompts(fields.body.get("prompt"))
@@ -142,7 +142,7 @@ def completions(app: Service, handler: Handler, _path: str) -> None:
         grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False)))
 
 
-def chat_completions(app: Service, handler: Handler, _path: str) -> None:
+def chat_completions(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
     engine = loaded(served)

@@ -15,7 +15,7 @@ from typing import Any
 
 from reame.engine import FinishEvent, GenerationRequest
 from reame.server import turn
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, Event, HttpError, Opening, Whole
 from reame.server.routes import Route
 from reame.server.exchange import shape
 from reame.server.models import loaded
@@ -122,7 +122,7 @@ def checked_metadata(metadata: Any) -> None:
                         param="metadata", code="invalid_value")
 
 
-def create(app: Service, handler: Handler, _path: str) -> None:
+def create(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     body = fields.body
     checked_metadata(body.get("metadata"))
@@ -162,7 +162,7 @@ def create(app: Service, handler: Handler, _path: str) -> None:
     else:
         ended = turn.whole(app, handler, current)
         if ended is not None:
-            handler.send_json(200, reply.finished(*ended))
+            handler.send(Whole(200, reply.finished(*ended)))
 
 
 def reasoning_switch(body: dict[str, Any]) -> bool | None:
@@ -180,7 +180,7 @@ def reasoning_switch(body: dict[str, Any]) -> bool | None:
 class Reply:
     """One response: its items as they come (streamed) and its whole object, stored when asked."""
 
-    def __init__(self, app: Service, handler: Handler, body: dict[str, Any], model: str, current: turn.Turn,
+    def __init__(self, app: Service, handler: Asker, body: dict[str, Any], model: str, current: turn.Turn,
                  messages: list[dict[str, Any]], store: bool, previous: str | None) -> None:
         self.app, self.handler, self.body, self.model, self.turn = app, handler, body, model, current
         self.messages, self.store, self.previous = messages, store, previous
@@ -237,12 +237,12 @@ class Reply:
         return response
 
     def send(self, kind: str, **payload: Any) -> None:
-        self.handler.send_named_event(kind, {"type": kind, "sequence_number": self.sequence, **payload})
+        self.handler.send(Event({"type": kind, "sequence_number": self.sequence, **payload}, kind))
         self.sequence += 1
 
     def stream(self) -> None:
         handler = self.handler
-        handler.start_sse()
+        handler.send(Opening())
         calls: list[ToolCall] = []
         text_open = False
         output_index = 0
@@ -296,18 +296,18 @@ class Reply:
         self.send("response.output_item.done", output_index=output_index, item=self.message_item(text))
 
 
-def stored(app: Service, handler: Handler, path: str) -> None:
+def stored(app: Service, handler: Asker, path: str) -> None:
     """GET /v1/responses/{id}: a stored response; DELETE forgets it."""
     response_id = path[len("/v1/responses/"):]
     if handler.command == "DELETE":
         if not app.conversations.forget(handler.owner, response_id):
             raise HttpError(404, f"Response with id '{response_id}' not found.", code="not_found")
-        handler.send_json(200, {"id": response_id, "object": "response", "deleted": True})
+        handler.send(Whole(200, {"id": response_id, "object": "response", "deleted": True}))
         return
     found = app.conversations.find(handler.owner, response_id)
     if found is None:
         raise HttpError(404, f"Response with id '{response_id}' not found.", code="not_found")
-    handler.send_body(200, found.response_json, "application/json")
+    handler.send(Whole(200, found.response_json))
 
 
 ROUTES = [Route("/v1/responses", ("POST",), create),

@@ -5,43 +5,43 @@ from __future__ import annotations
 
 from urllib.parse import parse_qs
 
-from reame.server.http import Handler, HttpError
+from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.server.service import Service
 from reame.server.validation import Fields, requested_model
 
 
-def create_session(app: Service, handler: Handler, _path: str) -> None:
+def create_session(app: Service, handler: Asker, _path: str) -> None:
     body = handler.read_json() if handler.read_body() else {}  # the body is optional
     sessions = app.ready_sessions(app.served(requested_model(Fields(body))))
     wanted = Fields(body).body.get("id")
     if wanted is not None and not isinstance(wanted, str):
         raise Fields(body).bad("id", "a string")
     session_id = sessions.create(handler.owner, wanted)
-    handler.send_json(200, {"id": session_id, "object": "session"})
+    handler.send(Whole(200, {"id": session_id, "object": "session"}))
 
 
-def session(app: Service, handler: Handler, path: str) -> None:
+def session(app: Service, handler: Asker, path: str) -> None:
     sessions, owner = app.ready_sessions(app.served(query_model(handler))), handler.owner
     session_id, _, action = path[len("/v1/sessions/"):].partition("/")
     if action == "" and handler.command == "GET":
-        handler.send_json(200, sessions.describe(owner, session_id))
+        handler.send(Whole(200, sessions.describe(owner, session_id)))
     elif action == "" and handler.command == "DELETE":
         sessions.delete(owner, session_id)
-        handler.send_json(200, {"id": session_id, "deleted": True})
+        handler.send(Whole(200, {"id": session_id, "deleted": True}))
     elif action == "save" and handler.command == "POST":
         sessions.save(owner, session_id)
-        handler.send_json(200, sessions.describe(owner, session_id))
+        handler.send(Whole(200, sessions.describe(owner, session_id)))
     elif action == "load" and handler.command == "POST":
         sessions.load(owner, session_id)
-        handler.send_json(200, sessions.describe(owner, session_id))
+        handler.send(Whole(200, sessions.describe(owner, session_id)))
     elif action in ("", "save", "load"):
         raise HttpError(405, f"{handler.command} is not allowed on this session path", code="method_not_allowed")
     else:
         raise HttpError(404, f"unknown session action: {action}", code="not_found")
 
 
-def query_model(handler: Handler) -> str | None:
+def query_model(handler: Asker) -> str | None:
     """The `?model=` of a session's path (None: none)."""
     try:
         named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get("model")

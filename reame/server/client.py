@@ -1,0 +1,100 @@
+"""What an answer says to its client, whatever carries it: the frames an API family sends (a whole answer, a
+stream's opening, its events or lines), the two things a route and the exchange may do with the client (ask
+whether it has gone, send it a frame) and the refusal a route raises. http.Handler is the client a socket
+gives; tests/fakes/client.py records the frames instead, so every family's encoding is checked without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A header of whatever answer follows, the whole one or a stream's opening (X-Reame-Cache)."""
+
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A whole answer: a status and its body, `payload` as JSON, or bytes sent as they are (of
+    `content_type`)."""
+
+    status: int
+    payload: Any
+    headers: dict[str, str] | None = None
+    content_type: str = JSON
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A stream begins (200): server-sent events, or another stream (Ollama's NDJSON). It ends with the
+    connection."""
+
+    content_type: str = SSE
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: JSON, or a string sent as it is ("[DONE]"); `name` for Anthropic's and the
+    Responses API's named events."""
+
+    payload: Any
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a JSON-lines stream (Ollama's)."""
+
+    payload: Any
+
+
+Frame = Header | Whole | Opening | Event | Line
+
+
+class Client(Protocol):
+    """Whom an answer goes to. `send` raises OSError once the client has gone mid-stream."""
+
+    def gone(self) -> bool: ...
+
+    def send(self, frame: Frame) -> None: ...
+
+
+class Asker(Client, Protocol):
+    """A request as a route sees it: what it asks (its path, method and body), who asks (`owner`, an API
+    key's), the models it holds until it ends (`leases`, kept by service.Service.model), and its client."""
+
+    path: str
+    command: str
+    owner: str
+    leases: list[Any]
+
+    def read_body(self) -> bytes | None:
+        """The body's bytes, None without one."""
+
+    def read_json(self) -> Any:
+        """The body as JSON; HttpError for anything else."""
+
+
+class HttpError(Exception):
+    """An error to answer in OpenAI's shape (or the route's family's: routes.Route.error_body)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def whole(self) -> Whole:
+        """The error as a whole answer in OpenAI's shape."""
+        return Whole(self.status, self.body(), self.headers)

@@ -1,0 +1,29 @@
+"""The HTTP server's settings ([server] in the config file; docs/configuration.md): where it listens, who may
+ask, its bounds and clocks. Read by the transport (http.py, listener.py) and by the routes that answer by
+them (service.py), so they live apart from both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()
+    cors_origin: str = ""  # "" = CORS off; "*" or an origin to allow
+    allowed_hosts: tuple[str, ...] = ()  # the Host names requests may address (forgery.allowed_hosts)
+    max_connections: int = 256  # open sockets
+    max_requests: int = 64  # requests being answered at once
+    max_body_bytes: int = 10 << 20
+    idle_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0  # a new connection's first byte, and a request's line and headers from its first
+    request_timeout_s: float = 60.0  # the whole request, from its first byte
+    node_name: str = ""  # every response's X-Reame-Node ("": none)
+    grace_s: float = 30.0
+    request_log: bool = True
+    metrics: bool = True  # serve GET /metrics
+    allow_pull: bool = False  # Ollama's /api/pull fetches catalog models (false: 403)
+    extra: dict[str, Any] = field(default_factory=dict)
