@@ -1,31 +1,37 @@
-"""A generation's life after its request was parsed, whatever API family asked for it: submission through
-the caches (the exact answer cache, then the semantic one; a kept answer replayed as the token-sized pieces
-a generation sends, a computed one kept as it ends), which says where the answer came from as data;
-the one loop that waits for the engine's events, with one clock-based check that the client is still there,
-the engine's death as an item of its own and the delivery accounting of streamed tokens. The API families
+"""A generation's life after its request was parsed, whatever API family asked for it: what it asks (`Asked`,
+with its `Options`: n choices, the Conclave's best_of, echo, logprobs), submission through the caches (the
+exact answer cache, then the semantic one; a kept answer replayed as the token-sized pieces a generation
+sends, a computed one kept as it ends), which says where the answer came from as data; the one loop that
+waits for the engine's events, with one clock-based check that the client is still there, the engine's death
+as an item of its own, the Conclave's votes and the delivery accounting of streamed tokens. The API families
 encode what it yields into their streams and whole answers (generation.py: OpenAI's completions and chat;
-turn.py: the families that answer one generation). Nothing here knows HTTP: the client is a `gone` check.
+turn.py: what they share, and the families that answer one generation). Nothing here knows HTTP: the client
+is a `gone` check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from reame.engine import FinishEvent, GenerationRequest, TokenEvent, Usage
+from reame.conclave import Ballot, attempts
+from reame.engine import FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage
 from reame.engine.request import FINISH_ERROR
 from reame.engine.textstream import TextStream
 from reame.errors import EngineUnavailable
 from reame.model.backend import Backend
+from reame.model.sampling import MAX_SEED
 from reame.semantic import Lookup, Question, look_up
 from reame.server.metrics import Metrics
 from reame.server.models import ModelPool, ServedModel, loaded
 from reame.server.shapes import Choice
-from reame.structured.tools import ToolCall, ToolRequest
+from reame.structured.thinking import ThinkingSplitter
+from reame.structured.tools import ToolCall, ToolRequest, tool_parser
 
 POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
 ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose model's engine died
@@ -45,6 +51,46 @@ class Host(Protocol):
 
     models: ModelPool
     metrics: Metrics
+
+
+@dataclass(frozen=True)
+class Options:
+    """How many answers a request asks for and what each carries, whichever API family asks: `n` choices per
+    prompt, or `elect_among` attempts per prompt of which the Conclave elects one (best_of: each votes as it
+    ends, a prompt's others stop once its majority is certain); seeds following on from `seed`; each choice
+    beginning with its prompt (`echo`); each token's logprob with `logprobs` alternatives (None: none)."""
+
+    n: int = 1
+    elect_among: int = 1
+    seed: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+
+    @property
+    def per_prompt(self) -> int:
+        """Generations per prompt: its choices, or its attempts."""
+        return max(self.n, self.elect_among)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """The generations a request asks for once its family has read it: its prompts (text or tokens), their
+    sampling, the options above, and what else shapes the text: a chat or a completion, streamed or not, tools
+    parsed out of it, a thinking model's <think>…</think> said apart, a suffix to fill in before, the session
+    it continues, the question the semantic cache looks up (None: not looked up). `cacheable`: the request
+    lets the answer caches answer it (a deterministic lone generation outside a session is then looked up)."""
+
+    prompts: list[Any]
+    params: SamplingParams
+    options: Options = Options()
+    chat: bool = True
+    streamed: bool = False
+    tools: ToolRequest | None = None
+    thinks: bool = False
+    suffix: str | None = None
+    session: Any = None
+    question: Question | None = None
+    cacheable: bool = True
 
 
 @dataclass
@@ -307,3 +353,94 @@ def said(app: Host, model: ServedModel, submitted: Submitted, choices: list[Choi
             choice.finish = event
             account(app, model, [choice])
             yield Said(tag, finish=event)
+
+
+def attempt_params(base: SamplingParams, options: Options, prompt_index: int) -> list[SamplingParams]:
+    """Each choice's settings for one prompt (seeds follow on from the request's), or the Conclave's
+    attempts."""
+    seed, n = options.seed, options.n
+    if options.elect_among > 1:
+        return attempts(dataclasses.replace(base, seed=None if seed is None else
+                                            (seed + prompt_index) % (MAX_SEED + 1)), options.elect_among)
+    return [dataclasses.replace(base, seed=(seed + prompt_index * n + j) % (MAX_SEED + 1) if seed is not None
+                                else random.randrange(MAX_SEED + 1)) for j in range(n)]
+
+
+def begin(app: Host, model: ServedModel, asked: Asked, gone: Gone) -> Exchange:
+    """Submit every generation `asked` needs, through the answer caches where it may be answered from them;
+    the exchange that follows them. RequestError, OverloadedError as the engine raises them."""
+    options = asked.options
+    requests = [GenerationRequest(prompt, params, logprobs=options.logprobs, session=asked.session,
+                                  suffix=asked.suffix, streamed=asked.streamed)
+                for index, prompt in enumerate(asked.prompts)
+                for params in attempt_params(asked.params, options, index)]
+    # One deterministic answer (greedy, or an explicit seed) may have been kept.
+    cacheable = asked.cacheable and len(requests) == 1 and asked.session is None and options.logprobs is None \
+        and (asked.params.temperature == 0 or options.seed is not None)
+    submitted = submit(app, model, requests, queue.SimpleQueue(), cacheable, shape(asked.chat, asked.tools),
+                       asked.question, gone)
+    handles, group = submitted.handles, options.per_prompt
+    backend = loaded(model).backend
+    # Each prompt's text (a token prompt detokenized once), only where an echo or a thinking model needs it.
+    texts = [(prompt if isinstance(prompt, str) else backend.detokenize(prompt))
+             if options.echo or asked.thinks else "" for prompt in asked.prompts]
+    choices = [Choice(parser=tool_parser(asked.tools), computed=not isinstance(handle, StoredAnswer),
+                      thinker=ThinkingSplitter.for_prompt(texts[i // group]) if asked.thinks else None)
+               for i, handle in enumerate(handles)]
+    echoes = [texts[i // group] if options.echo else "" for i in range(len(handles))]
+    prompt_tokens = sum(len(handles[i * group].prompt_tokens) for i in range(len(asked.prompts)))
+    return Exchange(app, model, submitted, choices, echoes, prompt_tokens, gone,
+                    Ballot(handles, group) if options.elect_among > 1 else None)
+
+
+@dataclass
+class Exchange:
+    """The generations of one request after submission: their choices (`per_prompt` next to each other per
+    prompt), each one's echoed prompt, the prompts' tokens counted once, the client's `gone` check, and the
+    Conclave's ballot when the request asked for best_of."""
+
+    app: Host
+    model: ServedModel
+    submitted: Submitted
+    choices: list[Choice]
+    echoes: list[str]
+    prompt_tokens: int
+    gone: Gone
+    ballot: Ballot | None = None
+
+    @property
+    def choice(self) -> Choice:
+        """The one choice of a request that asked for one."""
+        return self.choices[0]
+
+    @property
+    def cached(self) -> bool:
+        """Answered from a cache: no token was generated for it."""
+        return isinstance(self.submitted.handles[0], StoredAnswer)
+
+    @property
+    def marks(self) -> dict[str, Any]:
+        """Where a kept answer came from (the answer's `reame` object; empty: nothing to say)."""
+        return self.submitted.marks
+
+    def cancel(self) -> None:
+        """Stop generating for a client that went away."""
+        for handle in self.submitted.handles:
+            handle.cancel()
+
+    def said(self) -> Iterator[Said | EngineGone]:
+        """What each choice says as it comes (exchange.said); with a ballot, each attempt votes as it ends."""
+        for item in said(self.app, self.model, self.submitted, self.choices, self.gone):
+            if isinstance(item, Said) and item.finish is not None and self.ballot is not None:
+                choice = self.choices[item.tag]
+                voted = choice.text + "".join(f"{call.name}({call.arguments})" for call in choice.calls)
+                if self.ballot.finished(item.tag, voted, item.finish.reason, item.finish.usage.completion_tokens):
+                    self.app.metrics.add("reame_conclave_early_stops_total")
+            yield item
+
+    def elected(self) -> list[Choice]:
+        """The answer's choices once every one ended: each prompt's elected attempt with a ballot, else all."""
+        if self.ballot is None:
+            return self.choices
+        size = self.ballot.group
+        return [self.choices[i * size + verdict.winner] for i, verdict in enumerate(self.ballot.verdicts())]

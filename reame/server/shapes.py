@@ -1,10 +1,12 @@
-"""OpenAI's response shapes: whole answers, stream chunks, usage and logprobs objects."""
+"""OpenAI's response shapes: whole answers, stream chunks, usage and logprobs objects (a token's logprob entry
+Ollama's answers share)."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,16 @@ class Choice:
     def finish_reason(self) -> str:
         assert self.finish is not None
         return "tool_calls" if self.calls else finish_reason(self.finish)
+
+
+def logprob_entries(token_piece: Callable[[int], bytes], tokens: list[TokenEvent]) -> list[dict[str, Any]]:
+    """Each token as OpenAI's chat answers and Ollama's give its logprob: its text, logprob and bytes, and
+    its most likely alternatives likewise."""
+    def entry(token: int, logprob: float | None) -> dict[str, Any]:
+        raw = token_piece(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+    return [dict(entry(event.token, event.logprob), top_logprobs=[entry(t, lp) for t, lp in event.top])
+            for event in tokens]
 
 
 def finish_reason(event: FinishEvent) -> str:
@@ -135,11 +147,7 @@ class Response:
             return None
         piece = self.token_piece
         if self.chat:
-            def entry(token: int, logprob: float | None) -> dict[str, Any]:
-                raw = piece(token)
-                return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-            return {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(t, lp) for t, lp in e.top])
-                                for e in tokens], "refusal": None}
+            return {"content": logprob_entries(piece, tokens), "refusal": None}
         texts = [piece(e.token).decode("utf-8", "replace") for e in tokens]
         offsets, position = [], 0
         for text in texts:

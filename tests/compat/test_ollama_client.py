@@ -1,6 +1,6 @@
 """The `ollama` Python client against Reame serving the default model (SmolLM2) and, for tool calls,
-Qwen2.5-Coder-1.5B (whose template lays tools out): list, show, ps, generate, chat streamed and not, a JSON
-schema format, embeddings, pull, a tool call and its round trip, and Ollama's errors."""
+Qwen2.5-Coder-1.5B (whose template lays tools out): list, show, ps, generate, chat streamed and not, logprobs,
+a JSON schema format, embeddings, pull, a tool call and its round trip, and Ollama's errors."""
 
 import json
 
@@ -41,6 +41,24 @@ def test_generate_and_chat_streamed_and_not_say_the_same(client):
     generated = client.generate(model="smollm2", prompt="Name a colour.", options=GREEDY)
     assert generated.response == whole.message.content and generated.eval_count == whole.eval_count
     assert generated.total_duration > 0 and generated.prompt_eval_count > 0
+
+
+def test_logprobs_reach_the_client_token_by_token(client):
+    """`logprobs` and `top_logprobs`, as the client asks for them: one entry per generated token, its text
+    the answer's, streamed with the pieces they scored."""
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "Name a fruit."}], "logprobs": True,
+           "top_logprobs": 3, "options": {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}}
+    whole = client.chat(**ask)
+    assert len(whole.logprobs) == whole.eval_count
+    assert "".join(entry.token for entry in whole.logprobs) == whole.message.content
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token and
+               entry.logprob <= 0 for entry in whole.logprobs)
+    parts = list(client.chat(**ask, stream=True))
+    assert [entry.token for part in parts for entry in part.logprobs or []] == \
+        [entry.token for entry in whole.logprobs]
+    generated = client.generate(model="smollm2", prompt="Name a fruit.", logprobs=True,
+                                options={"temperature": 0, "num_predict": 6})
+    assert len(generated.logprobs) == generated.eval_count and generated.logprobs[0].top_logprobs == []
 
 
 def test_a_json_schema_format_is_followed(client):

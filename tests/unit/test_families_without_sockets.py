@@ -77,3 +77,40 @@ def test_responses(app):
     text = "".join(payload["delta"] for kind, payload in frames if kind == "response.output_text.delta")
     assert text == whole["output"][0]["content"][0]["text"]
     assert names[0] == "response.created" and names[-1] in ("response.completed", "response.incomplete")
+
+
+@pytest.mark.parametrize("path,asked", [
+    ("/api/chat", {"messages": ASK}),
+    ("/api/generate", {"prompt": "hello there"}),
+])
+def test_ollama_logprobs_ride_with_the_text_they_scored(app, path, asked):
+    """Ollama's logprobs (an option of the exchange, as OpenAI's are): one entry per generated token, its
+    alternatives the most likely first (greedy without a repeat penalty picks the first), streamed with the text
+    they scored."""
+    body = {"model": "reame", **asked, "logprobs": True, "top_logprobs": 2,
+            "options": {"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0}}
+    whole, frames = whole_and_streamed(app, path, body)
+    entries = whole["logprobs"]
+    text = whole["message"]["content"] if path == "/api/chat" else whole["response"]
+    assert len(entries) == whole["eval_count"] and "".join(entry["token"] for entry in entries) == text
+    for entry in entries:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    lines = [payload for kind, payload in frames if kind == "line"]
+    assert [entry for line in lines for entry in line.get("logprobs", [])] == entries
+
+
+def test_ollama_answers_carry_no_logprobs_unless_asked(app):
+    whole = run(app, "/api/chat", {"model": "reame", "messages": ASK, "stream": False, "top_logprobs": 3,
+                                   "options": {"temperature": 0, "num_predict": 4}}).frames[0][1]
+    assert "logprobs" not in whole and whole["message"]["content"]
+
+
+@pytest.mark.parametrize("top", [21, -1, "3", True])
+def test_ollama_top_logprobs_out_of_range_is_a_400(app, top):
+    from reame.server.client import HttpError
+    with pytest.raises(HttpError) as raised:
+        run(app, "/api/chat", {"model": "reame", "messages": ASK, "logprobs": True, "top_logprobs": top})
+    assert raised.value.status == 400 and raised.value.param == "top_logprobs"

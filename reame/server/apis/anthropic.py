@@ -18,7 +18,7 @@ from reame.engine import Engine, FinishEvent, GenerationRequest
 from reame.server import turn
 from reame.server.client import Asker, Client, Event, HttpError, Opening, Whole
 from reame.server.routes import Route
-from reame.server.exchange import shape
+from reame.server.exchange import Asked, Exchange
 from reame.server.models import loaded
 from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
@@ -148,9 +148,9 @@ def messages(app: Service, handler: Asker, _path: str) -> None:
     params = sampling_params(sampling, max_tokens, None)
     grammar = turn.answer_grammar(tools, output_grammar(body.get("output_config")), "output_config.format")
     stream = fields.boolean("stream", False)
-    request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    current = turn.start(app, handler, served, request, tools, params.temperature == 0, shape(True, tools),
-                         thinks=engine.backend.template_thinks[0])
+    current = turn.start(app, handler, served, Asked([prompt], dataclasses.replace(params, grammar=grammar),
+                                                     streamed=stream, tools=tools,
+                                                     thinks=engine.backend.template_thinks[0]))
     reply = Reply(model, current)
     if stream:
         reply.stream(app, handler)
@@ -177,7 +177,7 @@ def output_grammar(config: Any) -> str | None:
 class Reply:
     """One Messages answer: whole, or as Anthropic's event stream."""
 
-    def __init__(self, model: str, current: turn.Turn) -> None:
+    def __init__(self, model: str, current: Exchange) -> None:
         self.model = model
         self.turn = current
         self.id = "msg_" + uuid.uuid4().hex[:24]
@@ -198,7 +198,7 @@ class Reply:
         return "end_turn", None
 
     def whole(self, app: Service, client: Client) -> None:
-        ended = turn.whole(app, client, self.turn)
+        ended = turn.whole(self.turn)
         if ended is None:
             return  # the client left
         calls, finish = ended
@@ -220,7 +220,7 @@ class Reply:
             send("message_start", {"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": self.usage(None)}})
-            for said in turn.said(app, client, self.turn):
+            for said in turn.said(self.turn):
                 if said.thinking:
                     if not thinking_open:
                         send("content_block_start", {"type": "content_block_start", "index": index,
@@ -265,7 +265,7 @@ class Reply:
                                            "usage": usage})  # cumulative, as Anthropic's now are
                     send("message_stop", {"type": "message_stop"})
         except OSError:  # the client went away: stop generating for it
-            self.turn.handle.cancel()
+            self.turn.cancel()
 
 
 def tool_use(call: ToolCall) -> dict[str, Any]:

@@ -24,19 +24,20 @@ import time
 from typing import Any
 
 from reame import __version__, catalog, fetch
-from reame.engine import FinishEvent, GenerationRequest, SamplingParams
+from reame.engine import FinishEvent, SamplingParams
 from reame.errors import FetchError
 from reame.server import turn
 from reame.server.client import Asker, HttpError, Line, Opening, Whole
 from reame.server.routes import Route
-from reame.semantic import Question, chat_question
-from reame.server.exchange import shape
+from reame.semantic import chat_question
+from reame.server.exchange import Asked, Options
 from reame.server.models import FOREVER, ServedModel, loaded
 from reame.server.service import Service, failure
+from reame.server.shapes import logprob_entries
 from reame.server.validation import Fields, chat_messages, embedding_count, sampling_params
 from reame.structured.json_schema import JSON_OBJECT_GBNF, schema_to_gbnf
 from reame.structured.requested import checked
-from reame.structured.tools import ToolCall, ToolRequest, tool_request
+from reame.structured.tools import ToolCall, tool_request
 
 log = logging.getLogger("reame.server")
 
@@ -48,6 +49,7 @@ RUNNER_OPTIONS = frozenset({"num_ctx", "num_keep", "num_batch", "num_gpu", "main
                             "use_mlock", "numa", "low_vram", "vocab_only", "typical_p", "repeat_last_n", "mirostat",
                             "mirostat_tau", "mirostat_eta", "penalize_newline", "tfs_z", "f16_kv", "logits_all"})
 NDJSON = "application/x-ndjson"
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as Ollama bounds them
 NEVER = datetime.datetime(2318, 1, 1, tzinfo=datetime.timezone.utc)  # Ollama's expiry of a model kept for ever
 UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 DURATION = re.compile(r"-?(?:\d{1,9}(?:\.\d{1,9})?(?:ms|s|m|h)?){1,4}")  # Go's durations, as Ollama parses them
@@ -211,9 +213,10 @@ def generate(app: Service, handler: Asker, _path: str) -> None:
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = engine.chat_prompt(messages, enable_thinking=think_switch(body, engine))
-    request = GenerationRequest(text, dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
-                                suffix=suffix or None, streamed=fields.boolean("stream", True))
-    answer(app, handler, Asked(served, name, request, seed, waited, chat=False))
+    asked = Asked([text], dataclasses.replace(params, grammar=format_grammar(body.get("format"))),
+                  answer_options(fields, seed), chat=False, streamed=fields.boolean("stream", True),
+                  thinks=engine.backend.template_thinks[0] and not suffix, suffix=suffix or None)
+    answer(app, handler, Routed(served, name, waited, asked))
 
 
 def chat(app: Service, handler: Asker, _path: str) -> None:
@@ -243,10 +246,11 @@ def chat(app: Service, handler: Asker, _path: str) -> None:
     def render(conversation: list[dict[str, Any]]) -> str:
         return turn.chat_prompt(engine, conversation, tools, enable_thinking)
     question = chat_question(messages, render) if served.semantic is not None else None
-    stream = fields.boolean("stream", True)
     grammar = format_grammar(body.get("format"))
-    request = GenerationRequest(render(messages), dataclasses.replace(params, grammar=grammar), streamed=stream)
-    answer(app, handler, Asked(served, name, request, seed, waited, chat=True, tools=tools, question=question))
+    asked = Asked([render(messages)], dataclasses.replace(params, grammar=grammar), answer_options(fields, seed),
+                  streamed=fields.boolean("stream", True), tools=tools, thinks=engine.backend.template_thinks[0],
+                  question=question)
+    answer(app, handler, Routed(served, name, waited, asked))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,47 +274,49 @@ def durations(waited: Waited) -> dict[str, int]:
             "load_duration": int(waited.load_seconds * 1e9)}
 
 
+def answer_options(fields: Fields, seed: int | None) -> Options:
+    """The seed (a seeded or greedy answer may come from the cache), and `logprobs` with `top_logprobs`
+    alternatives (0-20; without `logprobs` they are not asked for, as Ollama ignores them)."""
+    top = fields.integer("top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    return Options(seed=seed, logprobs=top if fields.boolean("logprobs", False) else None)
+
+
 @dataclasses.dataclass(frozen=True)
-class Asked:
+class Routed:
     """A generate or chat request once its route has read it: the model held for it and the name the request
-    gave it (Ollama's answers repeat that name), the generation (streamed or not), its seed (a seeded or
-    greedy answer may come from the cache), how long the model took to be ready, and for a chat its tools
-    and its question (the semantic cache's)."""
+    gave it (Ollama's answers repeat that name), how long the model took to be ready, and what it asks of the
+    exchange."""
 
     model: ServedModel
     name: str
-    request: GenerationRequest
-    seed: int | None
     waited: Waited
-    chat: bool
-    tools: ToolRequest | None = None
-    question: Question | None = None
+    asked: Asked
 
 
-def answer(app: Service, handler: Asker, asked: Asked) -> None:
+def answer(app: Service, handler: Asker, routed: Routed) -> None:
     """Run one generation and answer in Ollama's shape: JSON lines while it streams, or one object."""
-    model, name, request, waited, chat = asked.model, asked.name, asked.request, asked.waited, asked.chat
-    cacheable = request.params.temperature == 0 or asked.seed is not None
-    current = turn.start(app, handler, model, request, asked.tools, cacheable, shape(chat, asked.tools),
-                         asked.question, "messages" if chat else "prompt",
-                         thinks=loaded(model).backend.template_thinks[0] and (chat or not request.suffix))
+    model, name, waited, chat = routed.model, routed.name, routed.waited, routed.asked.chat
+    current = turn.start(app, handler, model, routed.asked, "messages" if chat else "prompt")
     key = "message" if chat else "response"
+    token_piece = loaded(model).backend.token_piece
 
     def piece(text: str, calls: list[ToolCall] | None = None, thinking: str = "") -> dict[str, Any]:
+        tokens, current.choice.tokens = current.choice.tokens, []  # each logprob sent once, with its text
+        logprobs = {"logprobs": logprob_entries(token_piece, tokens)} if tokens else {}
         if not chat:
             return {"model": name, "created_at": now(), "response": text, "done": False,
-                    **({"thinking": thinking} if thinking else {})}
+                    **({"thinking": thinking} if thinking else {}), **logprobs}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if thinking:
             message["thinking"] = thinking
         if calls:
             message["tool_calls"] = [{"function": {"name": call.name, "arguments": call_arguments(call)}}
                                      for call in calls]
-        return {"model": name, "created_at": now(), "message": message, "done": False}
-    if request.streamed:
+        return {"model": name, "created_at": now(), "message": message, "done": False, **logprobs}
+    if routed.asked.streamed:
         handler.send(Opening(NDJSON))
         try:
-            for said in turn.said(app, handler, current):
+            for said in turn.said(current):
                 if said.finish is not None:
                     final = closing(said.finish, waited, current.prompt_tokens, current.cached)
                     failed = failure(said.finish)
@@ -323,9 +329,9 @@ def answer(app: Service, handler: Asker, asked: Asked) -> None:
                 elif said.text or said.thinking:
                     handler.send(Line(piece(said.text, thinking=said.thinking)))
         except OSError:  # the client went away: stop generating for it
-            current.handle.cancel()
+            current.cancel()
         return
-    ended = turn.whole(app, handler, current)
+    ended = turn.whole(current)
     if ended is None:
         return  # the client left
     calls, finish = ended

@@ -5,6 +5,7 @@ generations run through generation.py and are shaped by shapes.py, so the offici
 from __future__ import annotations
 
 import array
+import dataclasses
 import base64
 import queue
 import sys
@@ -12,14 +13,14 @@ from typing import Any
 
 from reame.engine import FinishEvent, GenerationRequest
 from reame.server import generation, turn
-from reame.server.exchange import CACHE_BYPASS, EngineGone, Submitted, events
+from reame.server.exchange import CACHE_BYPASS, Asked, EngineGone, Options, Submitted, events
 from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.semantic import chat_question
 from reame.server.models import loaded
 from reame.server.service import Service, as_http_error
 from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts, embedding_inputs,
-                                     requested_model)
+                                     requested_model, sampling_params)
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import tool_request
 
@@ -136,10 +137,10 @@ def completions(app: Service, handler: Asker, _path: str) -> None:
     if echo and logprobs is not None:
         raise HttpError(400, "'logprobs' of an echoed prompt are not supported", param="echo",
                         code="unsupported_parameter")
-    max_tokens = fields.integer("max_tokens", 16, 1, None)
-    generation.generate(app, handler, fields, served, generation.Ask(
-        prompts, max_tokens, chat=False, echo=echo, logprobs=logprobs, suffix=suffix,
-        grammar=requested_grammar(fields.body), elect_among=best_of(fields, chat=False)))
+    params = sampling_params(fields, fields.integer("max_tokens", 16, 1, None), None)
+    generation.generate(app, handler, fields, served, Asked(
+        prompts, dataclasses.replace(params, grammar=requested_grammar(fields.body)),
+        Options(elect_among=best_of(fields, chat=False), echo=echo, logprobs=logprobs), chat=False, suffix=suffix))
 
 
 def chat_completions(app: Service, handler: Asker, _path: str) -> None:
@@ -167,9 +168,10 @@ def chat_completions(app: Service, handler: Asker, _path: str) -> None:
     def render(messages: list[dict[str, Any]]) -> str:
         return turn.chat_prompt(engine, messages, tools, enable_thinking)
     question = chat_question(messages, render) if served.semantic is not None else None
-    generation.generate(app, handler, fields, served, generation.Ask(
-        [render(messages)], max_tokens, chat=True, logprobs=logprobs, tools=tools, grammar=grammar,
-        elect_among=best_of(fields, chat=True), question=question, thinks=thinks))
+    params = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)
+    generation.generate(app, handler, fields, served, Asked(
+        [render(messages)], params, Options(elect_among=best_of(fields, chat=True), logprobs=logprobs),
+        tools=tools, thinks=thinks, question=question))
 
 
 def thinking_switch(fields: Fields) -> bool | None:

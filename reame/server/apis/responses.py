@@ -13,11 +13,11 @@ import time
 import uuid
 from typing import Any
 
-from reame.engine import FinishEvent, GenerationRequest
+from reame.engine import FinishEvent
 from reame.server import turn
 from reame.server.client import Asker, Event, HttpError, Opening, Whole
 from reame.server.routes import Route
-from reame.server.exchange import shape
+from reame.server.exchange import Asked, Exchange
 from reame.server.models import loaded
 from reame.server.service import Service, failure
 from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
@@ -152,15 +152,14 @@ def create(app: Service, handler: Asker, _path: str) -> None:
     prompt = turn.chat_prompt(engine, messages, tools, reasoning_switch(body) if switchable else None)
     params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
     stream = fields.boolean("stream", False)
-    request = GenerationRequest(prompt, dataclasses.replace(params, grammar=grammar), streamed=stream)
-    current = turn.start(app, handler, served, request, tools, params.temperature == 0, shape(True, tools),
-                         prompt_param="input", thinks=thinks)
+    current = turn.start(app, handler, served, Asked([prompt], dataclasses.replace(params, grammar=grammar),
+                                                     streamed=stream, tools=tools, thinks=thinks), "input")
     reply = Reply(app, handler, body, model or served.name, current, messages,
                   fields.boolean("store", True), previous)
     if stream:
         reply.stream()
     else:
-        ended = turn.whole(app, handler, current)
+        ended = turn.whole(current)
         if ended is not None:
             handler.send(Whole(200, reply.finished(*ended)))
 
@@ -180,7 +179,7 @@ def reasoning_switch(body: dict[str, Any]) -> bool | None:
 class Reply:
     """One response: its items as they come (streamed) and its whole object, stored when asked."""
 
-    def __init__(self, app: Service, handler: Asker, body: dict[str, Any], model: str, current: turn.Turn,
+    def __init__(self, app: Service, handler: Asker, body: dict[str, Any], model: str, current: Exchange,
                  messages: list[dict[str, Any]], store: bool, previous: str | None) -> None:
         self.app, self.handler, self.body, self.model, self.turn = app, handler, body, model, current
         self.messages, self.store, self.previous = messages, store, previous
@@ -249,7 +248,7 @@ class Reply:
         try:
             self.send("response.created", response=self.envelope("in_progress", [], None))
             self.send("response.in_progress", response=self.envelope("in_progress", [], None))
-            for said in turn.said(self.app, handler, self.turn):
+            for said in turn.said(self.turn):
                 if said.text:
                     if not text_open:
                         self.send("response.output_item.added", output_index=output_index,
@@ -284,7 +283,7 @@ class Reply:
                     self.send("response.completed" if response["status"] == "completed" else "response.incomplete",
                               response=response)
         except OSError:  # the client went away: stop generating for it
-            self.turn.handle.cancel()
+            self.turn.cancel()
 
     def close_text(self, output_index: int) -> None:
         text = self.turn.choice.text
