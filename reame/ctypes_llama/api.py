@@ -156,6 +156,10 @@ _declare("llama_vocab_fim_pre", [llama_vocab_p], llama_token)
 _declare("llama_vocab_fim_suf", [llama_vocab_p], llama_token)
 # LLAMA_API llama_token llama_vocab_fim_mid(const struct llama_vocab * vocab);
 _declare("llama_vocab_fim_mid", [llama_vocab_p], llama_token)
+# LLAMA_API llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
+_declare("llama_vocab_fim_rep", [llama_vocab_p], llama_token)
+# LLAMA_API llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
+_declare("llama_vocab_fim_sep", [llama_vocab_p], llama_token)
 
 # --- Tokenization ---
 # LLAMA_API int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,

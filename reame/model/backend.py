@@ -79,6 +79,10 @@ class Backend(Protocol):
         """(prefix, suffix, middle) fill-in-the-middle tokens, or None when the model has none."""
         ...
 
+    def fim_repo_tokens(self) -> tuple[int, int]:
+        """(repository, file separator) tokens of repo-level fill-in-the-middle, -1 where the model has none."""
+        ...
+
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:
         """Evaluate one batch; return DECODE_OK or DECODE_NO_KV_SLOT, raise ModelError otherwise.

@@ -217,6 +217,10 @@ class LlamaBackend:
         tokens = (api.llama_vocab_fim_pre(vocab), api.llama_vocab_fim_suf(vocab), api.llama_vocab_fim_mid(vocab))
         return None if any(token < 0 for token in tokens) else tokens
 
+    def fim_repo_tokens(self) -> tuple[int, int]:
+        api, vocab = self._api, self._vocab
+        return max(-1, api.llama_vocab_fim_rep(vocab)), max(-1, api.llama_vocab_fim_sep(vocab))
+
     @property
     def _jinja(self) -> ChatTemplate | None:
         """The GGUF's own template, compiled on first use (by any thread, once); None (llama.cpp's

@@ -9,7 +9,7 @@ from importlib import resources
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import anthropic, ollama, openai, responses, sessions
+from reame.server.apis import anthropic, llamacpp, ollama, openai, responses, sessions
 from reame.server.forgery import allowed_hosts, forged
 from reame.server.client import HttpError, Whole
 from reame.server.http import Handler
@@ -178,4 +178,5 @@ ROUTER = Router([
     *anthropic.ROUTES,
     *responses.ROUTES,
     *sessions.ROUTES,
+    *llamacpp.ROUTES,
 ])

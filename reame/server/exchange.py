@@ -78,7 +78,8 @@ class Asked:
     sampling, the options above, and what else shapes the text: a chat or a completion, streamed or not, tools
     parsed out of it, a thinking model's <think>…</think> said apart, a suffix to fill in before, the session
     it continues, the question the semantic cache looks up (None: not looked up). `cacheable`: the request
-    lets the answer caches answer it (a deterministic lone generation outside a session is then looked up)."""
+    lets the answer caches answer it (a deterministic lone generation outside a session is then looked up).
+    `warm`: only prefill the prompts into the prefix cache, generating nothing."""
 
     prompts: list[Any]
     params: SamplingParams
@@ -91,6 +92,7 @@ class Asked:
     session: Any = None
     question: Question | None = None
     cacheable: bool = True
+    warm: bool = False
 
 
 @dataclass
@@ -338,8 +340,11 @@ def said(app: Host, model: ServedModel, submitted: Submitted, choices: list[Choi
         thinking, text = choice.split(event.text, final)
         if thinking:
             yield Said(tag, thinking=thinking)
-        if isinstance(event, TokenEvent) and event.logprob is not None:
-            choice.tokens.append(event)
+        if isinstance(event, TokenEvent):
+            if event.token >= 0:  # (a kept answer sent whole has no token ids)
+                choice.ids.append(event.token)
+            if event.logprob is not None:
+                choice.tokens.append(event)
         parser = choice.parser
         pieces: list[tuple[str, Any]] = [("content", text)] if parser is None else \
             parser.feed(text) + (parser.finish() if final else [])
@@ -371,12 +376,12 @@ def begin(app: Host, model: ServedModel, asked: Asked, gone: Gone) -> Exchange:
     the exchange that follows them. RequestError, OverloadedError as the engine raises them."""
     options = asked.options
     requests = [GenerationRequest(prompt, params, logprobs=options.logprobs, session=asked.session,
-                                  suffix=asked.suffix, streamed=asked.streamed)
+                                  suffix=asked.suffix, streamed=asked.streamed, warm=asked.warm)
                 for index, prompt in enumerate(asked.prompts)
                 for params in attempt_params(asked.params, options, index)]
     # One deterministic answer (greedy, or an explicit seed) may have been kept.
-    cacheable = asked.cacheable and len(requests) == 1 and asked.session is None and options.logprobs is None \
-        and (asked.params.temperature == 0 or options.seed is not None)
+    cacheable = asked.cacheable and not asked.warm and len(requests) == 1 and asked.session is None \
+        and options.logprobs is None and (asked.params.temperature == 0 or options.seed is not None)
     submitted = submit(app, model, requests, queue.SimpleQueue(), cacheable, shape(asked.chat, asked.tools),
                        asked.question, gone)
     handles, group = submitted.handles, options.per_prompt

@@ -21,6 +21,7 @@ class Choice:
     pieces: list[str] = field(default_factory=list)  # joined once, at the end (non-streamed answers)
     finish: FinishEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)  # kept only when logprobs were asked for
+    ids: list[int] = field(default_factory=list)  # the generated tokens not yet sent on (llama-server's `tokens`)
     parser: ToolCallParser | None = None  # set when the request offered tools
     computed: bool = True  # False for an answer from the exact answer cache: no token was generated for it
     thinker: ThinkingSplitter | None = None  # set for a model that thinks in <think>…</think>
@@ -49,12 +50,14 @@ class Choice:
         return "tool_calls" if self.calls else finish_reason(self.finish)
 
 
-def logprob_entries(token_piece: Callable[[int], bytes], tokens: list[TokenEvent]) -> list[dict[str, Any]]:
+def logprob_entries(token_piece: Callable[[int], bytes], tokens: list[TokenEvent],
+                    ids: bool = False) -> list[dict[str, Any]]:
     """Each token as OpenAI's chat answers and Ollama's give its logprob: its text, logprob and bytes, and
-    its most likely alternatives likewise."""
+    its most likely alternatives likewise; with `ids`, each with its token id too (llama-server's)."""
     def entry(token: int, logprob: float | None) -> dict[str, Any]:
         raw = token_piece(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        shaped = {"id": token} if ids else {}
+        return {**shaped, "token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
     return [dict(entry(event.token, event.logprob), top_logprobs=[entry(t, lp) for t, lp in event.top])
             for event in tokens]
 

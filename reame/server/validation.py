@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from typing import Any, overload
+from urllib.parse import parse_qs
 
 from reame.engine import SamplingParams
 from reame.engine.embeddings import MAX_INPUTS
 from reame.errors import RequestError
-from reame.server.client import HttpError
+from reame.server.client import Asker, HttpError
 from reame.structured.tools import parsed_arguments
 
 MAX_CHOICES = 16
@@ -292,3 +293,12 @@ def message_text(content: Any, where: str) -> str:
         return "\n".join(texts)
     raise HttpError(400, f"'{where}' must be a string or an array of text parts, got {_describe(content)}",
                     param=where, code="invalid_type")
+
+
+def query_model(handler: Asker) -> str | None:
+    """The `?model=` of a request's path (None: none): a session's, or GET /props's."""
+    try:
+        named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get("model")
+    except ValueError:
+        raise HttpError(400, "too many query parameters", param="model") from None
+    return named[0] if named else None

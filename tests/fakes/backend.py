@@ -32,10 +32,11 @@ from reame.structured.gbnf import compiled
 from reame.model.sampling import Step
 from reame.errors import ModelError
 
-BOS, EOS, IM_START, IM_END, FIM_PRE, FIM_SUF, FIM_MID = range(256, 263)
+BOS, EOS, IM_START, IM_END, FIM_PRE, FIM_SUF, FIM_MID, FIM_REP, FIM_SEP = range(256, 265)
 SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END,
-            "<|fim_prefix|>": FIM_PRE, "<|fim_suffix|>": FIM_SUF, "<|fim_middle|>": FIM_MID}
-N_VOCAB = 263
+            "<|fim_prefix|>": FIM_PRE, "<|fim_suffix|>": FIM_SUF, "<|fim_middle|>": FIM_MID,
+            "<|repo_name|>": FIM_REP, "<|file_sep|>": FIM_SEP}
+N_VOCAB = 265
 EMBEDDING_SIZE = 16
 STATE_MAGIC = "reame-fake-state-1"
 
@@ -229,6 +230,7 @@ class FakeBackend:
 
     has_chat_template = True
     has_fim = True
+    has_fim_repo = True  # the repo-level FIM tokens (<|repo_name|>, <|file_sep|>), as Qwen2.5-Coder has
     supports_rollback = True
     sliding_window = 0
 
@@ -305,6 +307,9 @@ class FakeBackend:
 
     def fim_tokens(self) -> tuple[int, int, int] | None:
         return (FIM_PRE, FIM_SUF, FIM_MID) if self.has_fim else None
+
+    def fim_repo_tokens(self) -> tuple[int, int]:
+        return (FIM_REP, FIM_SEP) if self.has_fim and self.has_fim_repo else (-1, -1)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_assistant: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,

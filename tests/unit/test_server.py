@@ -71,8 +71,9 @@ def test_health_models_and_unknown_routes(live):
     assert status == 405 and body["error"]["code"] == "method_not_allowed"
 
 
-@pytest.mark.parametrize("path", ["/models", "/completions", "/chat/completions", "/v1/models"])
+@pytest.mark.parametrize("path", ["/models", "/chat/completions", "/v1/models"])
 def test_openai_routes_answer_without_their_v1_too(live, path):
+    """(/completions is llama-server's own /completion, as in llama-server.)"""
     body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     status, answer = live.json("GET" if path.endswith("models") else "POST", path,
                                None if path.endswith("models") else body)

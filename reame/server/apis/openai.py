@@ -1,6 +1,6 @@
-"""OpenAI's API: completions, chat completions, embeddings, models, and llama-server's tokenize, detokenize
-and warm. Request bodies are read by validation.py (a wrong type is a 400 naming the field, never a crash),
-generations run through generation.py and are shaped by shapes.py, so the official SDKs work unchanged."""
+"""OpenAI's API: completions, chat completions, embeddings, models, and Reame's warm. Request bodies are
+read by validation.py (a wrong type is a 400 naming the field, never a crash), generations run through
+generation.py and are shaped by shapes.py, so the official SDKs work unchanged."""
 
 from __future__ import annotations
 
@@ -76,28 +76,6 @@ def warm(app: Service, handler: Asker, _path: str) -> None:
     handler.send(Whole(200, {"object": "warm", "warmed": True, "tokens": usage.prompt_tokens,
                             "cached_tokens": usage.cached_tokens, "seconds": round(usage.prompt_seconds, 3),
                             "shared": shared}))
-
-
-def tokenize(app: Service, handler: Asker, _path: str) -> None:
-    fields = Fields(handler.read_json())
-    content = fields.body.get("content")
-    if not isinstance(content, str):
-        raise fields.bad("content", "a string")
-    backend = loaded(app.model(handler, requested_model(fields))).backend
-    tokens = backend.tokenize(content, add_special=fields.boolean("add_special", False))
-    handler.send(Whole(200, {"tokens": tokens}))
-
-
-def detokenize(app: Service, handler: Asker, _path: str) -> None:
-    fields = Fields(handler.read_json())
-    tokens = fields.body.get("tokens")
-    backend = loaded(app.model(handler, requested_model(fields))).backend
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise fields.bad("tokens", "an array of token ids")
-    if any(not 0 <= t < backend.n_vocab for t in tokens):
-        raise HttpError(400, f"'tokens' holds an id outside the vocabulary (0..{backend.n_vocab - 1})",
-                        param="tokens", code="invalid_value")
-    handler.send(Whole(200, {"content": backend.detokenize(tokens)}))
 
 
 def embeddings(app: Service, handler: Asker, _path: str) -> None:
@@ -206,6 +184,4 @@ ROUTES = [
     Route("/v1/models", ("GET",), models),
     Route("/v1/models/", ("GET",), model, prefix=True),
     Route("/v1/warm", ("POST",), warm),
-    Route("/tokenize", ("POST",), tokenize),
-    Route("/detokenize", ("POST",), detokenize),
 ]

@@ -3,12 +3,10 @@ Each served model has its own: the body's `model` (creating) or `?model=` names 
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs
-
 from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.server.service import Service
-from reame.server.validation import Fields, requested_model
+from reame.server.validation import Fields, query_model, requested_model
 
 
 def create_session(app: Service, handler: Asker, _path: str) -> None:
@@ -39,15 +37,6 @@ def session(app: Service, handler: Asker, path: str) -> None:
         raise HttpError(405, f"{handler.command} is not allowed on this session path", code="method_not_allowed")
     else:
         raise HttpError(404, f"unknown session action: {action}", code="not_found")
-
-
-def query_model(handler: Asker) -> str | None:
-    """The `?model=` of a session's path (None: none)."""
-    try:
-        named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get("model")
-    except ValueError:
-        raise HttpError(400, "too many query parameters", param="model") from None
-    return named[0] if named else None
 
 
 ROUTES = [

@@ -1,0 +1,521 @@
+"""llama-server's own API, as llama.cpp's tools/server answers it at the pin: `POST /completion` (and
+`/completions`), `POST /infill`, `/tokenize`, `/detokenize`, `/apply-template` and `GET /props`, for the editor
+plugins (llama.vim, llama.vscode), Tabby, Continue's llama.cpp provider and the scripts written against
+llama-server. Generations run through the exchange (exchange.py) like every family's, so the caches,
+speculation and grammars serve them too; this module reads llama-server's fields (its defaults, its mixed
+prompts) and encodes the exchange's items as its records: a partial record per piece, a final one with
+`timings`, `tokens_cached`, `truncated`, `stop_type`. Where Reame differs, docs/api.md says so."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+from typing import Any
+
+from reame.engine import Engine, FinishEvent
+from reame.engine.prompt import infill
+from reame.engine.request import MAX_TOP_LOGPROBS
+from reame.errors import RequestError
+from reame.model.backend import Backend
+from reame.model.sampling import MAX_SEED, SamplingParams
+from reame.native import LLAMA_COMMIT
+from reame.server import turn
+from reame.server.client import Asker, Event, HttpError, Opening, Whole
+from reame.server.exchange import Asked, EngineGone, Exchange, Options
+from reame.server.models import ServedModel, loaded
+from reame.server.routes import Route
+from reame.server.service import Service, as_http_error, failure
+from reame.server.shapes import logprob_entries
+from reame.server.validation import MAX_CHOICES, Fields, chat_messages, query_model, requested_model
+from reame.structured.requested import requested_grammar
+
+# llama-server's sampler names (`samplers`): Reame's chain is fixed (docs/api.md), so they are checked, not used.
+SAMPLERS = frozenset({"dry", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill",
+                      "penalties", "top_n_sigma", "adaptive_p"})
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+def error_body(error: HttpError) -> dict[str, Any]:
+    """llama-server's error shape: {"error": {"code", "message", "type"}}."""
+    return {"error": {"code": error.status, "message": error.message,
+                      "type": ERROR_TYPES.get(error.status, "server_error")}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What ends a completion besides its tokens: llama-server's `n_indent` (a new line indented less ends it,
+    cut before that line's text) and `t_max_predict_ms` (past it, a new line ends it)."""
+
+    n_indent: int = 0
+    t_max_predict_ms: float = 0.0
+
+
+@dataclass
+class Completion:
+    """One completion being encoded: its exchange, what the request asked of the records, and each choice's
+    text as llama-server keeps it (cut by the limits)."""
+
+    exchange: Exchange
+    model: str
+    settings: dict[str, Any]
+    prompts: list[Any]
+    limits: Limits
+    return_tokens: bool
+    n_probs: int
+    texts: list[str] = field(default_factory=list)
+    cut: set[int] = field(default_factory=set)  # choices ended by a limit (their engine generation cancelled)
+    first_token_at: list[float] = field(default_factory=list)
+
+
+def completion(app: Service, handler: Asker, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    served = app.model(handler, requested_model(fields))
+    engine = loaded(served)
+    prompts = completion_prompts(engine, fields.body.get("prompt"))
+    answer(app, handler, served, fields, prompts, chat=False)
+
+
+def infill_route(app: Service, handler: Asker, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    served = app.model(handler, requested_model(fields))
+    engine = loaded(served)
+    body = fields.body
+    for name in ("input_prefix", "input_suffix"):
+        if name not in body:
+            raise HttpError(400, f'"{name}" is required', param=name)
+        if not isinstance(body[name], str):
+            raise fields.bad(name, "a string")
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list):
+        raise HttpError(400, '"input_extra" must be an array of {"filename": string, "text": string}',
+                        param="input_extra")
+    chunks = []
+    for index, chunk in enumerate(extra):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise HttpError(400, 'extra_context chunk must contain a "text" field with a string value',
+                            param=f"input_extra[{index}]")
+        filename = chunk.get("filename", "tmp")
+        if not isinstance(filename, str):
+            raise HttpError(400, "extra_context chunk's \"filename\" field must be a string",
+                            param=f"input_extra[{index}]")
+        chunks.append((filename, chunk["text"]))
+    middle = body.get("prompt", "")
+    if not isinstance(middle, str):
+        raise HttpError(400, '"prompt" must be a string', param="prompt")
+    backend = engine.backend
+    try:
+        # llama-server sizes the extra context with its own n_predict (-1 by default), not the request's.
+        tokens = infill(backend, body["input_prefix"], body["input_suffix"], chunks,
+                        backend.tokenize(middle, add_special=False, parse_special=True) if middle else [], -1,
+                        backend.n_ctx_seq)
+    except RequestError as error:
+        raise HttpError(501, f"Infill is not supported by this model: {error}", "not_supported_error") from None
+    answer(app, handler, served, fields, [tokens], chat=False)
+
+
+def completion_prompts(engine: Engine, value: Any) -> list[Any]:
+    """llama-server's prompt shapes: a string, token ids, a mix of both (one prompt), or an array of those
+    (several prompts). A mixed prompt is tokenized here: BOS before it when it starts with a string."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise HttpError(400, '"prompt" must be a string, a list of tokens, a list of mixed strings & tokens, or '
+                        "a list of prompts", param="prompt")
+    if any(is_token(item) for item in value):  # one prompt, of tokens and strings
+        return [mixed(engine, value)]
+    if len(value) > MAX_CHOICES:
+        raise HttpError(400, f"at most {MAX_CHOICES} prompts per request", param="prompt")
+    return [item if isinstance(item, str) else mixed(engine, item) for item in value]
+
+
+def is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def mixed(engine: Engine, value: Any) -> list[int]:
+    if not isinstance(value, list) or not value or not all(is_token(item) or isinstance(item, str) for item in value):
+        raise HttpError(400, "each prompt must be a string, a list of tokens or a list of mixed strings & tokens",
+                        param="prompt")
+    tokens: list[int] = []
+    backend = engine.backend
+    for index, item in enumerate(value):
+        if isinstance(item, str):
+            tokens += backend.tokenize(item, add_special=index == 0, parse_special=True)
+        else:
+            tokens.append(item)
+    return tokens
+
+
+def sampling(fields: Fields, n_predict: int | None, backend: Backend) -> SamplingParams:
+    """llama-server's sampling fields over its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
+    no penalties): a temperature at or below 0 is greedy, a top_k at or below 0 and a top_p of 1 are off."""
+    body = fields.body
+    samplers = body.get("samplers")
+    if samplers is not None and (not isinstance(samplers, list) or
+                                 not all(isinstance(name, str) and name in SAMPLERS for name in samplers)):
+        raise HttpError(400, f"samplers must be a list of sampler names ({', '.join(sorted(SAMPLERS))})",
+                        param="samplers")
+    seed = fields.integer("seed", -1, -1, 2**32 - 1)
+    try:
+        return SamplingParams(
+            max_tokens=n_predict,
+            temperature=min(max(fields.number("temperature", 0.8, -math.inf, math.inf), 0.0), 100.0),
+            top_k=max(fields.integer("top_k", 40), 0),
+            top_p=min(max(fields.number("top_p", 0.95, -math.inf, math.inf), 1e-6), 1.0),
+            min_p=min(max(fields.number("min_p", 0.05, -math.inf, math.inf), 0.0), 1.0),
+            repeat_penalty=fields.number("repeat_penalty", 1.0, 0.01, 10.0),
+            repeat_last_n=fields.integer("repeat_last_n", 64, -1, None),
+            presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+            seed=None if seed in (-1, 2**32 - 1) else seed % (MAX_SEED + 1), stop=fields.stop(),
+            ignore_eos=fields.boolean("ignore_eos", False), grammar=grammar_of(fields),
+            logit_bias=logit_bias(body.get("logit_bias"), backend))
+    except RequestError as error:
+        raise HttpError(400, str(error), param=error.param) from None
+
+
+def logit_bias(value: Any, backend: Backend) -> dict[int, float]:
+    """llama-server's `logit_bias`: [token or text, bias] pairs or an object of them, `false` banning the
+    token; a text biases each of its tokens. Like llama-server, a pair it cannot read is skipped."""
+    pairs = value if isinstance(value, list) else list(value.items()) if isinstance(value, dict) else []
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            continue
+        key, amount = pair
+        if amount is False:
+            amount = -math.inf
+        elif isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(amount):
+            continue
+        if isinstance(key, str) and key.lstrip("-").isdigit():
+            key = int(key)
+        if is_token(key):
+            if 0 <= key < backend.n_vocab:
+                bias[key] = float(amount)
+        elif isinstance(key, str):
+            bias.update(dict.fromkeys(backend.tokenize(key, add_special=False, parse_special=False), float(amount)))
+    return bias
+
+
+def grammar_of(fields: Fields) -> str | None:
+    """`grammar` (GBNF) or `json_schema`, as llama-server takes them."""
+    body = fields.body
+    if body.get("grammar") and body.get("json_schema") is not None:
+        raise HttpError(400, "Either 'json_schema' or 'grammar' can be specified, but not both", param="grammar")
+    if body.get("json_schema") is not None:
+        return requested_grammar({"response_format": {"type": "json_schema",
+                                                      "json_schema": {"schema": body["json_schema"]}}})
+    grammar = body.get("grammar")
+    if grammar in (None, ""):
+        return None
+    if not isinstance(grammar, str):
+        raise fields.bad("grammar", "a GBNF string")
+    return requested_grammar({"grammar": grammar})
+
+
+def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, prompts: list[Any],
+           chat: bool) -> None:
+    """Generate for each prompt (`n_cmpl` each) and answer as llama-server does: SSE records while it
+    streams (no [DONE]), else one object, or an array of them for several."""
+    predict = fields.integer("n_predict", -1, -1, None)
+    n_cmpl = fields.integer("n_cmpl", 1, 1, MAX_CHOICES)
+    if len(prompts) * n_cmpl > MAX_CHOICES:
+        raise HttpError(400, f"a request asks at most {MAX_CHOICES} completions in all (prompts × n_cmpl)",
+                        param="n_cmpl")
+    n_probs = fields.integer("n_probs", 0, 0, MAX_TOP_LOGPROBS)
+    if fields.boolean("post_sampling_probs", False):
+        raise HttpError(400, "post_sampling_probs is not supported: Reame reports the model's own logprobs",
+                        param="post_sampling_probs")
+    stream = fields.boolean("stream", False)
+    params = sampling(fields, None if predict < 0 else max(predict, 1), loaded(served).backend)
+    limits = Limits(fields.integer("n_indent", 0, 0, None), fields.number("t_max_predict_ms", 0.0, 0.0, math.inf))
+    return_tokens = fields.boolean("return_tokens", False)
+    response_fields = fields.body.get("response_fields", [])
+    if not isinstance(response_fields, list) or not all(isinstance(name, str) for name in response_fields):
+        raise fields.bad("response_fields", "a list of field names")
+    # n_predict 0: the prompt is only evaluated into the cache (llama.vim warms its extra chunks so).
+    asked = Asked(prompts, params, Options(n=n_cmpl, seed=params.seed, logprobs=n_probs or None), chat=chat,
+                  streamed=stream, warm=predict == 0)
+    exchange = turn.start(app, handler, served, asked, "prompt")
+    settings = generation_settings(params, predict, stream, n_probs, served.name)
+    encoded = Completion(exchange, served.name, settings, prompts, limits, return_tokens or stream, n_probs,
+                         [""] * len(exchange.choices), first_token_at=[0.0] * len(exchange.choices))
+    if stream:
+        stream_records(handler, encoded)
+        return
+    records = whole_records(encoded)
+    if records is None:
+        return  # the client left
+    if response_fields:
+        records = [picked(record, response_fields) for record in records]
+    handler.send(Whole(200, records[0] if len(records) == 1 else records))
+
+
+def generation_settings(params: SamplingParams, predict: int, stream: bool, n_probs: int,
+                        model: str) -> dict[str, Any]:
+    """The options a completion ran with, as llama-server's final record lists them (Reame's own subset)."""
+    return {"seed": params.seed if params.seed is not None else -1, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_last_n": params.repeat_last_n, "repeat_penalty": params.repeat_penalty,
+            "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+            "max_tokens": predict, "n_predict": predict, "ignore_eos": params.ignore_eos, "stream": stream,
+            "n_probs": n_probs, "stop": list(params.stop), "model": model,
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"]}  # Reame's chain, always
+
+
+def picked(record: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """llama-server's `response_fields`: only the named fields, a nested one under its whole path."""
+    kept: dict[str, Any] = {}
+    for path in paths:
+        value: Any = record
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            kept[path] = value
+    return kept
+
+
+Piece = tuple[int, str, list[int], list[dict[str, Any]], FinishEvent | None]
+
+
+def pieces(encoded: Completion) -> Iterator[Piece | EngineGone]:
+    """The exchange's items for the records: (tag, text, ids, logprob entries, finish) as they come, with the
+    limits applied (a choice they end is cancelled, its text cut, its end a limit)."""
+    exchange = encoded.exchange
+    token_piece = loaded(exchange.model).backend.token_piece
+    for item in exchange.said():
+        if isinstance(item, EngineGone):
+            yield item
+            return
+        tag, choice = item.tag, exchange.choices[item.tag]
+        ids, choice.ids = choice.ids, []
+        probs = logprob_entries(token_piece, choice.tokens, ids=True) if choice.tokens else []
+        choice.tokens = []
+        if item.finish is not None:
+            yield tag, "", ids, probs, item.finish
+            continue
+        if tag in encoded.cut or not item.text:
+            continue
+        if not encoded.first_token_at[tag]:
+            encoded.first_token_at[tag] = time.perf_counter()
+        text = limited(encoded, tag, item.text)
+        yield tag, text, ids, probs, None
+
+
+def limited(encoded: Completion, tag: int, text: str) -> str:
+    """`text` as far as the limits let choice `tag` go; once one ends it, the generation is cancelled."""
+    limits, before = encoded.limits, encoded.texts[tag]
+    whole = before + text
+    cut = indent_cut(whole, len(before), limits.n_indent) if limits.n_indent > 0 else None
+    if cut is not None:
+        whole = whole[:cut]
+    elif limits.t_max_predict_ms > 0 and "\n" in text and \
+            (time.perf_counter() - encoded.first_token_at[tag]) * 1000 > limits.t_max_predict_ms:
+        cut = len(whole)
+    if cut is not None:
+        encoded.cut.add(tag)
+        encoded.exchange.submitted.handles[tag].cancel()
+    encoded.texts[tag] = whole
+    return whole[len(before):]
+
+
+def indent_cut(text: str, start: int, n_indent: int) -> int | None:
+    """Where llama-server cuts a completion asked for lines indented by at least `n_indent`: before the first
+    character of a line (after a newline) that follows less indentation, the line's spaces kept; None when no
+    line of `text` that `start` reaches into is such a line."""
+    line = text.find("\n", max(0, text.rfind("\n", 0, start)))
+    while line != -1:
+        column = line + 1
+        while column < len(text) and text[column] in " \t":
+            column += 1
+        if column < len(text) and column - line - 1 < n_indent:
+            return column
+        line = text.find("\n", line + 1)
+    return None
+
+
+def final_record(encoded: Completion, tag: int, finish: FinishEvent, ids: list[int],
+                 probs: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama-server's final record of one completion."""
+    exchange, usage = encoded.exchange, finish.usage
+    limited_stop = tag in encoded.cut or finish.reason == "length" or encoded.settings["n_predict"] == 0
+    stop_type = "limit" if limited_stop else ("word" if finish.stop_sequence else "eos")
+    cached = usage.prompt_tokens if exchange.cached else usage.cached_tokens
+    record: dict[str, Any] = {
+        "index": tag, "content": encoded.texts[tag], "tokens": ids if encoded.return_tokens else [],
+        "id_slot": -1, "stop": True, "model": encoded.model, "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens, "generation_settings": encoded.settings,
+        "prompt": prompt_text(exchange, tag), "has_new_line": "\n" in encoded.texts[tag],
+        "truncated": finish.reason == "length" and bool(finish.message), "stop_type": stop_type,
+        "stopping_word": finish.stop_sequence, "tokens_cached": cached,
+        "timings": timings(usage.prompt_tokens - cached, cached, usage.prompt_seconds, usage.completion_tokens,
+                           usage.decode_seconds, usage.draft_tokens, usage.accepted_draft_tokens)}
+    if probs:
+        record["completion_probabilities"] = probs
+    return record
+
+
+def prompt_text(exchange: Exchange, tag: int) -> str:
+    handle = exchange.submitted.handles[tag]
+    return loaded(exchange.model).backend.detokenize(handle.prompt_tokens)
+
+
+def timings(prompt_n: int, cache_n: int, prompt_s: float, predicted_n: int, predicted_s: float, drafted: int,
+            accepted: int) -> dict[str, Any]:
+    """llama-server's `timings` object."""
+    prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
+    shaped: dict[str, Any] = {
+        "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+        "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0}
+    if drafted:
+        shaped["draft_n"], shaped["draft_n_accepted"] = drafted, accepted
+    return shaped
+
+
+def whole_records(encoded: Completion) -> list[dict[str, Any]] | None:
+    """Every completion's final record once all have ended (None when the client left)."""
+    records: list[dict[str, Any] | None] = [None] * len(encoded.exchange.choices)
+    ids: list[list[int]] = [[] for _ in records]
+    probs: list[list[dict[str, Any]]] = [[] for _ in records]
+    for item in pieces(encoded):
+        if isinstance(item, EngineGone):
+            raise as_http_error(item.error)
+        tag, _, new_ids, new_probs, finish = item
+        ids[tag] += new_ids
+        probs[tag] += new_probs
+        if finish is not None:
+            ended(finish, tag in encoded.cut)
+            records[tag] = final_record(encoded, tag, finish, ids[tag], probs[tag])
+    if any(record is None for record in records):
+        return None
+    return [record for record in records if record is not None]
+
+
+def ended(finish: FinishEvent, cut: bool) -> None:
+    """Raise the HTTP error of a completion that failed (one a limit cancelled ended well)."""
+    failed = None if cut else failure(finish)
+    if failed is not None:
+        raise failed
+
+
+def stream_records(handler: Asker, encoded: Completion) -> None:
+    """SSE records: one per piece (`content`, `tokens`, `stop: false`), then each completion's final record;
+    an error ends the stream in llama-server's error shape."""
+    handler.send(Opening())
+    counts = [0] * len(encoded.exchange.choices)
+    try:
+        for item in pieces(encoded):
+            if isinstance(item, EngineGone):
+                handler.send(Event(error_body(as_http_error(item.error))))
+                return
+            tag, text, ids, probs, finish = item
+            if finish is not None:
+                failed = None if tag in encoded.cut else failure(finish)
+                if failed is not None:
+                    handler.send(Event(error_body(failed)))
+                    return
+                record = final_record(encoded, tag, finish, [], probs)
+                record["content"] = ""  # streamed already, as llama-server's final record does
+                handler.send(Event(record))
+                continue
+            counts[tag] += len(ids)
+            usage_prompt = len(encoded.exchange.submitted.handles[tag].prompt_tokens)
+            partial: dict[str, Any] = {"index": tag, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+                                       "tokens_predicted": counts[tag], "tokens_evaluated": usage_prompt}
+            if probs:
+                partial["completion_probabilities"] = probs
+            handler.send(Event(partial))
+    except OSError:  # the client went away: stop generating for it
+        encoded.exchange.cancel()
+
+
+def tokenize(app: Service, handler: Asker, _path: str) -> None:
+    """`content` (a string, or strings and token ids mixed) as tokens; `with_pieces`: each with its piece,
+    a string, or its bytes when they are not UTF-8 on their own."""
+    fields = Fields(handler.read_json())
+    content = fields.body.get("content")
+    if not isinstance(content, (str, list)):
+        raise fields.bad("content", "a string")
+    add_special, parse_special = fields.boolean("add_special", False), fields.boolean("parse_special", True)
+    backend = loaded(app.model(handler, requested_model(fields))).backend
+    tokens: list[int] = []
+    for index, item in enumerate([content] if isinstance(content, str) else content):
+        if isinstance(item, str):
+            tokens += backend.tokenize(item, add_special=add_special and index == 0, parse_special=parse_special)
+        elif is_token(item):
+            tokens.append(item)
+        else:
+            raise fields.bad("content", "a string, or a list of strings and token ids")
+    if not fields.boolean("with_pieces", False):
+        handler.send(Whole(200, {"tokens": tokens}))
+        return
+    handler.send(Whole(200, {"tokens": [{"id": token, "piece": piece(backend.token_piece(token))}
+                                        for token in tokens]}))
+
+
+def piece(raw: bytes) -> str | list[int]:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def detokenize(app: Service, handler: Asker, _path: str) -> None:
+    fields = Fields(handler.read_json())
+    tokens = fields.body.get("tokens", [])
+    backend = loaded(app.model(handler, requested_model(fields))).backend
+    if not isinstance(tokens, list) or not all(is_token(token) for token in tokens):
+        raise fields.bad("tokens", "an array of token ids")
+    if any(not 0 <= token < backend.n_vocab for token in tokens):
+        raise HttpError(400, f"'tokens' holds an id outside the vocabulary (0..{backend.n_vocab - 1})",
+                        param="tokens")
+    handler.send(Whole(200, {"content": backend.detokenize(tokens)}))
+
+
+def apply_template(app: Service, handler: Asker, _path: str) -> None:
+    """The chat template over `messages`, the assistant's turn opened: {"prompt": text}."""
+    fields = Fields(handler.read_json())
+    engine = loaded(app.model(handler, requested_model(fields)))
+    messages = chat_messages(fields.body.get("messages"))
+    handler.send(Whole(200, {"prompt": turn.chat_prompt(engine, messages, None)}))
+
+
+def props(app: Service, handler: Asker, _path: str) -> None:
+    """The server's properties as llama-server's GET /props gives them (what the plugins and web UIs read);
+    POST /props is refused as llama-server started without `--props` refuses it."""
+    if handler.command == "POST":
+        raise HttpError(403, "This server does not support changing global properties. Start it with `--props`",
+                        "permission_error")
+    served = app.model(handler, query_model(handler) or app.models.default.name)
+    engine = loaded(served)
+    backend = engine.backend
+    defaults = generation_settings(sampling(Fields({}), None, backend), -1, False, 0, served.name)
+    handler.send(Whole(200, {
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": backend.n_ctx_seq, "speculative": False,
+                                        "is_processing": False, "params": defaults},
+        "total_slots": backend.n_seq_max, "model_alias": served.name, "model_path": served.facts.path,
+        "modalities": {"vision": False, "audio": False}, "endpoint_slots": False, "endpoint_props": False,
+        "endpoint_metrics": app.settings.metrics, "webui": True, "chat_template": "",
+        "bos_token": backend.token_piece(backend.bos_token).decode("utf-8", "replace")
+        if backend.bos_token >= 0 else "",
+        "eos_token": "", "build_info": f"reame (llama.cpp {LLAMA_COMMIT})", "is_sleeping": False}))
+
+
+
+
+ROUTES = [Route("/completion", ("POST",), completion, error_body=error_body),
+          Route("/completions", ("POST",), completion, error_body=error_body),
+          Route("/infill", ("POST",), infill_route, error_body=error_body),
+          Route("/apply-template", ("POST",), apply_template, error_body=error_body),
+          Route("/tokenize", ("POST",), tokenize, error_body=error_body),
+          Route("/detokenize", ("POST",), detokenize, error_body=error_body),
+          Route("/props", ("GET", "POST"), props, error_body=error_body)]
