@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from reame.model.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -26,4 +28,8 @@ class ServerSettings:
     request_log: bool = True
     metrics: bool = True  # serve GET /metrics
     allow_pull: bool = False  # Ollama's /api/pull fetches catalog models (false: 403)
+    # What llama-server's routes sample with where a request says nothing ([generation], as llama-server's come
+    # from its command line): temperature, top_k, top_p, min_p, repeat_penalty and the seed.
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
+                                                                            min_p=0.05, seed=42))
     extra: dict[str, Any] = field(default_factory=dict)

@@ -149,24 +149,25 @@ def mixed(engine: Engine, value: Any) -> list[int]:
     return tokens
 
 
-def sampling(fields: Fields, n_predict: int | None, backend: Backend) -> SamplingParams:
-    """llama-server's sampling fields over its defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
-    no penalties): a temperature at or below 0 is greedy, a top_k at or below 0 and a top_p of 1 are off."""
+def sampling(fields: Fields, n_predict: int | None, backend: Backend, defaults: SamplingParams) -> SamplingParams:
+    """llama-server's sampling fields over the server's defaults ([generation], as llama-server's come from
+    its command line; the seed among them, so a request without one is repeatable): a temperature at or below
+    0 is greedy, a top_k at or below 0 and a top_p of 1 are off."""
     body = fields.body
     samplers = body.get("samplers")
     if samplers is not None and (not isinstance(samplers, list) or
                                  not all(isinstance(name, str) and name in SAMPLERS for name in samplers)):
         raise HttpError(400, f"samplers must be a list of sampler names ({', '.join(sorted(SAMPLERS))})",
                         param="samplers")
-    seed = fields.integer("seed", -1, -1, 2**32 - 1)
+    seed = fields.integer("seed", defaults.seed if defaults.seed is not None else -1, -1, 2**32 - 1)
     try:
         return SamplingParams(
             max_tokens=n_predict,
-            temperature=min(max(fields.number("temperature", 0.8, -math.inf, math.inf), 0.0), 100.0),
-            top_k=max(fields.integer("top_k", 40), 0),
-            top_p=min(max(fields.number("top_p", 0.95, -math.inf, math.inf), 1e-6), 1.0),
-            min_p=min(max(fields.number("min_p", 0.05, -math.inf, math.inf), 0.0), 1.0),
-            repeat_penalty=fields.number("repeat_penalty", 1.0, 0.01, 10.0),
+            temperature=min(max(fields.number("temperature", defaults.temperature, -math.inf, math.inf), 0.0), 100.0),
+            top_k=max(fields.integer("top_k", defaults.top_k), 0),
+            top_p=min(max(fields.number("top_p", defaults.top_p, -math.inf, math.inf), 1e-6), 1.0),
+            min_p=min(max(fields.number("min_p", defaults.min_p, -math.inf, math.inf), 0.0), 1.0),
+            repeat_penalty=fields.number("repeat_penalty", defaults.repeat_penalty, 0.01, 10.0),
             repeat_last_n=fields.integer("repeat_last_n", 64, -1, None),
             presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
@@ -230,7 +231,8 @@ def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, pr
         raise HttpError(400, "post_sampling_probs is not supported: Reame reports the model's own logprobs",
                         param="post_sampling_probs")
     stream = fields.boolean("stream", False)
-    params = sampling(fields, None if predict < 0 else max(predict, 1), loaded(served).backend)
+    params = sampling(fields, None if predict < 0 else max(predict, 1), loaded(served).backend,
+                      app.settings.sampling)
     limits = Limits(fields.integer("n_indent", 0, 0, None), fields.number("t_max_predict_ms", 0.0, 0.0, math.inf))
     return_tokens = fields.boolean("return_tokens", False)
     response_fields = fields.body.get("response_fields", [])
@@ -498,7 +500,8 @@ def props(app: Service, handler: Asker, _path: str) -> None:
     served = app.model(handler, query_model(handler) or app.models.default.name)
     engine = loaded(served)
     backend = engine.backend
-    defaults = generation_settings(sampling(Fields({}), None, backend), -1, False, 0, served.name)
+    defaults = generation_settings(sampling(Fields({}), None, backend, app.settings.sampling), -1, False, 0,
+                                   served.name)
     handler.send(Whole(200, {
         "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": backend.n_ctx_seq, "speculative": False,
                                         "is_processing": False, "params": defaults},
