@@ -68,6 +68,10 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     if args.n_predict:
         env["REAME_SERVER_MAX_ANSWER_TOKENS"] = args.n_predict
+    if not args.metrics:  # llama-server serves /metrics only with --metrics
+        env["REAME_SERVER_METRICS"] = "false"
+    if args.no_slots:
+        env["REAME_SERVER_SLOTS"] = "false"
     if args.ctk in ("f16", "q8_0", "q4_0"):
         command += ["--kv-type", args.ctk]
     return command, env

@@ -84,6 +84,7 @@ class Embeddings:
 
     def __init__(self) -> None:
         self._jobs: deque[tuple[EmbeddingJob, int]] = deque()  # jobs and how many of their inputs are done
+        self.decodes = 0  # embedding decode calls made, for the engine's status
 
     @property
     def pending(self) -> bool:
@@ -105,6 +106,7 @@ class Embeddings:
                 tokens + len(job.inputs[end]) <= backend.embedding_context_tokens:
             tokens += len(job.inputs[end])
             end += 1
+        self.decodes += 1
         try:
             job.vectors.extend(unit_length(vector) for vector in backend.embed(job.inputs[done:end]))
         except Exception as error:  # one failed job fails alone

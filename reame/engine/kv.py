@@ -40,6 +40,7 @@ class KvStats:
     # outcome "restored", "no_room" (running sequences hold the cells) or "rejected" (the context refused it)
     cells_given_up: int = 0  # cells idle slots freed (for room, or for a request taking their slot)
     idle_snapshots: int = 0  # idle slots' KV kept in the prefix cache as they gave it up
+    decodes: int = 0  # decode calls: generations' batches and embeddings' (llama-server's n_decode_total)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class KvCells:
         self._holders: Counter[int] = Counter()  # origin -> runs that hold some of its cells
         self._origins = itertools.count()
         self._used: int | None = None  # cells held in the unified stream, counted when next asked
+        self.decodes = 0  # decode calls made, for the status
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -101,6 +103,7 @@ class KvCells:
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:
         """One `backend.decode`; on success each sequence's rows are placed, in new cells after what it held."""
+        self.decodes += 1
         status = self.backend.decode(tokens, positions, seq_ids, outputs)
         if status == DECODE_OK:
             ends: dict[int, int] = {}

@@ -355,7 +355,7 @@ class Engine:
         recorded = sum(map(len, idle)) + sum(running.n_fed for running in sequences.running)
         in_memory = sum(self.backend.seq_pos_max(slot.seq_id) + 1 for slot in sequences.slots)
         self.status = EngineStatus(len(self._waiting), len(sequences.running), idle, recorded, in_memory,
-                                   self.status.dead, sequences.kv_stats())
+                                   self.status.dead, sequences.kv_stats(self._embeddings.decodes))
         if sequences.running:
             self.idle.clear()
         else:

@@ -240,13 +240,14 @@ class Sequences:
         if cache.offer(Snapshot(tuple(slot.held), self.kv.state(slot.seq_id))):
             self._idle_snapshots += 1
 
-    def kv_stats(self) -> KvStats:
-        """The KV's cells and what was done with them, for the engine's status."""
+    def kv_stats(self, other_decodes: int = 0) -> KvStats:
+        """The KV's cells and what was done with them, for the engine's status (`other_decodes`: the embedding
+        decodes, counted with the generations')."""
         kv = self.kv
         cells = kv.capacity if kv.unified else kv.capacity * len(self.slots)
         return KvStats(cells, kv.used(), tuple((source, outcome, count) for (source, outcome), count
                                                in sorted(self._restores.items())),
-                       self._cells_given_up, self._idle_snapshots)
+                       self._cells_given_up, self._idle_snapshots, kv.decodes + other_decodes)
 
     # --- while running -----------------------------------------------------------------
 

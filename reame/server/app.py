@@ -33,6 +33,7 @@ class App(Service):
         self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
+        self.metrics.collector(lambda: llamacpp.metric_samples(self))
 
     def cache_samples(self) -> list[Sample]:
         """Each loaded model's prefix cache (and its share of a fleet's store), labelled with the model."""
@@ -152,9 +153,11 @@ class App(Service):
                                 "samples": self.metrics.as_json()}))
 
     def metrics_text(self, handler: Handler, _path: str) -> None:
+        """Prometheus' text: Reame's metrics and llama-server's names over them; off, a 501 as llama-server's."""
         if not self.settings.metrics:
-            raise HttpError(404, "metrics are off on this server (server.metrics = false)", code="not_found")
-        handler.send(Whole(200, self.metrics.render().encode(),
+            raise HttpError(501, "metrics are off on this server (server.metrics = false)", "not_supported_error",
+                            "not_supported")
+        handler.send(Whole(200, self.metrics.render().encode(), {"Process-Start-Time-Unix": str(self.created)},
                            content_type="text/plain; version=0.0.4; charset=utf-8"))
 
 

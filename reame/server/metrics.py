@@ -35,6 +35,11 @@ class Metrics:
         with self._lock:
             self._counters[key] += value
 
+    def total(self, name: str) -> float:
+        """A counter's value summed over its labels (0 before it was ever added to)."""
+        with self._lock:
+            return sum(value for (counter, _), value in self._counters.items() if counter == name)
+
     def gauge(self, name: str, text: str, read: Callable[[], float]) -> None:
         """A value read when /metrics is rendered."""
         self._gauges[name] = (text, read)

@@ -50,6 +50,7 @@ class Service:
         self.metrics.describe("reame_conclave_early_stops_total", "counter",
                               "elections decided by a majority while attempts still ran (those were stopped)")
         self.metrics.describe("reame_generated_tokens_total", "counter", "tokens generated")
+        self.metrics.describe("reame_embedding_tokens_total", "counter", "tokens embedded")
         self.metrics.describe("reame_prompt_seconds_total", "counter", "seconds from admission to first token")
         self.metrics.describe("reame_generation_seconds_total", "counter", "seconds from first token to the end")
         self.metrics.collector(self.engine_samples)
@@ -124,11 +125,14 @@ class Service:
                    inputs: list[list[int]]) -> list[list[float]] | None:
         """exchange.embedded, its refusals 400 or 429 and a failed model 500."""
         try:
-            return embedded(self, model, inputs, gone)
+            vectors = embedded(self, model, inputs, gone)
         except (RequestError, OverloadedError) as error:
             raise refusal(error) from None
         except ModelError as error:
             raise HttpError(500, f"embedding failed: {error}", "server_error", "embedding_failed") from None
+        if vectors is not None:
+            self.metrics.add("reame_embedding_tokens_total", sum(map(len, inputs)), model=model.name)
+        return vectors
 
     def model_card(self, model: ServedModel) -> dict[str, Any]:
         """A model as /v1/models lists it: OpenAI's fields, then Reame's (loaded or not, its aliases, context

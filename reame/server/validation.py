@@ -209,27 +209,6 @@ def embedding_count(count: int) -> None:
         raise HttpError(400, f"at most {MAX_INPUTS} inputs per request", param="input", code="invalid_value")
 
 
-def embedding_inputs(value: Any) -> list[str | list[int]]:
-    """`input` as OpenAI allows it: a string, strings, token ids, or lists of token ids; none empty."""
-    def is_tokens(item: Any) -> bool:
-        return isinstance(item, list) and bool(item) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in item)
-
-    if isinstance(value, str) or is_tokens(value):
-        inputs: list[Any] = [value]
-    elif isinstance(value, list) and value and (all(isinstance(i, str) for i in value) or
-                                                all(is_tokens(i) for i in value)):
-        inputs = list(value)
-    else:
-        raise HttpError(400, "'input' must be a string, an array of strings, an array of token ids or an array of "
-                        f"token-id arrays, none of them empty; got {_describe(value)}", param="input",
-                        code="invalid_type")
-    embedding_count(len(inputs))
-    if any(item == "" for item in inputs):
-        raise HttpError(400, "'input' must not hold an empty string", param="input", code="invalid_value")
-    return inputs
-
-
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """Messages as templates read them: role, text content, and an assistant's earlier tool calls (their
     arguments as objects) or a tool result's call id."""

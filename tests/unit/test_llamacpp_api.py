@@ -265,3 +265,58 @@ def test_llama_vims_warm_up_evaluates_the_extra_chunks_and_generates_nothing():
         record = whole(app, "/infill", {**LLAMA_VIM_WARM, "input_extra": extra, "response_fields": []})
     assert record["tokens_predicted"] == 0 and record["content"] == "" and record["stop_type"] == "limit"
     assert record["tokens_cached"] > 0  # the second warm-up found the first one's prefix
+
+
+def test_llama_servers_metric_names_count_what_its_records_say(app):
+    first = whole(app, "/completion", {"prompt": "the quick brown fox", **GREEDY})
+    second = whole(app, "/completion", {"prompt": "the quick brown fox", **GREEDY})
+    run(app, "/v1/embeddings", {"input": ["hello", "world"]})
+    values = {sample.name: sample.value for sample in app.metrics.samples() if sample.name.startswith("llamacpp:")}
+    processed = first["timings"]["prompt_n"] + second["timings"]["prompt_n"]
+    assert values["llamacpp:prompt_tokens_total"] == processed + len("hello") + len("world") + 2  # BOS each
+    assert values["llamacpp:prompt_tokens_cached_total"] == first["timings"]["cache_n"] + \
+        second["timings"]["cache_n"]
+    assert values["llamacpp:tokens_predicted_total"] == first["tokens_predicted"] + second["tokens_predicted"]
+    assert values["llamacpp:n_decode_total"] > 0 and values["llamacpp:requests_processing"] == 0
+    text = app.metrics.render()
+    assert "# TYPE llamacpp:prompt_tokens_total counter" in text and "# HELP llamacpp:n_decode_total " in text
+
+
+def test_the_first_token_is_left_out_of_the_generation_rate(app):
+    one = whole(app, "/completion", {"prompt": "hi", "temperature": 0, "n_predict": 1, "ignore_eos": True})
+    assert one["timings"]["predicted_n"] == 1 and one["timings"]["predicted_per_second"] == 0.0
+    many = whole(app, "/completion", {"prompt": "hi", "temperature": 0, "n_predict": 8, "ignore_eos": True})
+    timings = many["timings"]
+    assert timings["predicted_per_second"] == pytest.approx(1000 * 7 / timings["predicted_ms"])
+
+
+def test_slots_list_each_sequence_slot_and_refuse_when_off(app):
+    slots = whole(app, "/slots", {}, "GET")
+    assert [slot["id"] for slot in slots] == [0, 1] and not any(slot["is_processing"] for slot in slots)
+    assert all("params" not in slot and slot["n_ctx"] == 1024 for slot in slots)
+    engine, off = serving(FakeBackend(n_ctx=1024))
+    off.settings = ServerSettings(port=0, request_log=False, slots=False)
+    with engine, pytest.raises(HttpError) as raised:
+        run(off, "/slots", {}, "GET")
+    assert raised.value.status == 501
+
+
+@pytest.mark.parametrize("value", ["", "string", [12, 34, 56], [12, 34, "string", 56, 78], ["string1", "string2"],
+                                   ["string1", [12, 34, 56]], [[12, 34, 56], [12, "string", 34, 56]],
+                                   {"prompt_string": "string"}, {"content": [{"type": "text", "text": "string"}]},
+                                   ["s", {"prompt_string": "t"}, {"content": [{"type": "text", "text": "u"}]}]])
+def test_embeddings_take_llama_servers_input_shapes(app, value):
+    data = whole(app, "/v1/embeddings", {"input": value})["data"]
+    assert len(data) == (len(value) if isinstance(value, list) and not any(isinstance(v, int) for v in value)
+                         else 1)
+    text = whole(app, "/v1/embeddings", {"input": ["hello world", {"content": [
+        {"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]})["data"]
+    assert text[0]["embedding"] == text[1]["embedding"]
+
+
+@pytest.mark.parametrize("value", [[], {"content": "string"}, {"content": [{"type": "unknown"}]},
+                                   {"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+                                   {"prompt_string": "x", "multimodal_data": ["AAAA"]}, [[]], [{}], 5])
+def test_bad_input_shapes_are_a_400(app, value):
+    assert refused(app, "/v1/embeddings", {"input": value}).status == 400
+    assert refused(app, "/completion", {"prompt": value}).status == 400

@@ -1,10 +1,11 @@
 """llama-server's own API, as llama.cpp's tools/server answers it at the pin: `POST /completion` (and
-`/completions`), `POST /infill`, `/tokenize`, `/detokenize`, `/apply-template` and `GET /props`, for the editor
-plugins (llama.vim, llama.vscode), Tabby, Continue's llama.cpp provider and the scripts written against
-llama-server. Generations run through the exchange (exchange.py) like every family's, so the caches,
-speculation and grammars serve them too; this module reads llama-server's fields (its defaults, its mixed
-prompts) and encodes the exchange's items as its records: a partial record per piece, a final one with
-`timings`, `tokens_cached`, `truncated`, `stop_type`. Where Reame differs, docs/api.md says so."""
+`/completions`), `POST /infill`, `/tokenize`, `/detokenize`, `/apply-template`, `GET /props` and `/slots`, for
+the editor plugins (llama.vim, llama.vscode), Tabby, Continue's llama.cpp provider and the scripts written
+against llama-server; and llama-server's metric names. Generations run through the exchange (exchange.py)
+like every family's, so the caches, speculation and grammars serve them too; this module reads
+llama-server's fields (its defaults, its mixed prompts) and encodes the exchange's items as its records: a
+partial record per piece, a final one with `timings`, `tokens_cached`, `truncated`, `stop_type`. Where Reame
+differs, docs/api.md says so."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from reame.engine import Engine, FinishEvent
+from reame.engine import FinishEvent
 from reame.engine.prompt import infill
 from reame.engine.request import MAX_TOP_LOGPROBS
 from reame.errors import RequestError
@@ -24,7 +25,9 @@ from reame.native import LLAMA_COMMIT
 from reame.server import turn
 from reame.server.client import Asker, Event, HttpError, Opening, Whole
 from reame.server.exchange import Asked, EngineGone, Exchange, Options
+from reame.server.metrics import Sample
 from reame.server.models import ServedModel, loaded
+from reame.server.prompts import is_token, llama_prompts
 from reame.server.routes import Route
 from reame.server.service import Service, as_http_error, failure
 from reame.server.shapes import logprob_entries
@@ -74,7 +77,10 @@ def completion(app: Service, handler: Asker, _path: str) -> None:
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
     engine = loaded(served)
-    prompts = completion_prompts(engine, fields.body.get("prompt"))
+    backend = engine.backend
+    prompts = llama_prompts(fields.body.get("prompt"),
+                            lambda text, first: backend.tokenize(text, add_special=first, parse_special=True),
+                            MAX_CHOICES)
     answer(app, handler, served, fields, prompts, chat=False)
 
 
@@ -114,39 +120,6 @@ def infill_route(app: Service, handler: Asker, _path: str) -> None:
     except RequestError as error:
         raise HttpError(501, f"Infill is not supported by this model: {error}", "not_supported_error") from None
     answer(app, handler, served, fields, [tokens], chat=False)
-
-
-def completion_prompts(engine: Engine, value: Any) -> list[Any]:
-    """llama-server's prompt shapes: a string, token ids, a mix of both (one prompt), or an array of those
-    (several prompts). A mixed prompt is tokenized here: BOS before it when it starts with a string."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        raise HttpError(400, '"prompt" must be a string, a list of tokens, a list of mixed strings & tokens, or '
-                        "a list of prompts", param="prompt")
-    if any(is_token(item) for item in value):  # one prompt, of tokens and strings
-        return [mixed(engine, value)]
-    if len(value) > MAX_CHOICES:
-        raise HttpError(400, f"at most {MAX_CHOICES} prompts per request", param="prompt")
-    return [item if isinstance(item, str) else mixed(engine, item) for item in value]
-
-
-def is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def mixed(engine: Engine, value: Any) -> list[int]:
-    if not isinstance(value, list) or not value or not all(is_token(item) or isinstance(item, str) for item in value):
-        raise HttpError(400, "each prompt must be a string, a list of tokens or a list of mixed strings & tokens",
-                        param="prompt")
-    tokens: list[int] = []
-    backend = engine.backend
-    for index, item in enumerate(value):
-        if isinstance(item, str):
-            tokens += backend.tokenize(item, add_special=index == 0, parse_special=True)
-        else:
-            tokens.append(item)
-    return tokens
 
 
 def sampling(fields: Fields, n_predict: int | None, backend: Backend, defaults: SamplingParams) -> SamplingParams:
@@ -375,9 +348,11 @@ def timings(prompt_n: int, cache_n: int, prompt_s: float, predicted_n: int, pred
         "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
         "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+        # The first token comes out of the prompt's last batch: the rate is over the decode steps after it.
         "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-        "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0}
+        "predicted_per_token_ms": predicted_ms / (predicted_n - 1) if predicted_n > 1 else 0.0,
+        "predicted_per_second": 1000 * (predicted_n - 1) / predicted_ms if predicted_n > 1 and predicted_ms > 0
+        else 0.0}
     if drafted:
         shaped["draft_n"], shaped["draft_n_accepted"] = drafted, accepted
     return shaped
@@ -483,6 +458,59 @@ def detokenize(app: Service, handler: Asker, _path: str) -> None:
     handler.send(Whole(200, {"content": backend.detokenize(tokens)}))
 
 
+def metric_samples(app: Service) -> list[Sample]:
+    """llama-server's own metrics (llamacpp:*), which its dashboards, exporters and tests read, computed from
+    Reame's: the prompt tokens it processed (embeddings' included) apart from those found cached, the tokens
+    predicted and their seconds, the decode calls, the requests running and waiting."""
+    metrics = app.metrics
+    prompt, cached = metrics.total("reame_prompt_tokens_total"), metrics.total("reame_prompt_tokens_cached_total")
+    prompt_s, predicted = metrics.total("reame_prompt_seconds_total"), metrics.total("reame_generated_tokens_total")
+    predicted_s = metrics.total("reame_generation_seconds_total")
+    engines = [model.engine for model in app.models.loaded() if model.engine is not None]
+    running = sum(engine.status.running for engine in engines)
+    drafted = accepted = drafts = 0
+    for engine in engines:
+        if engine.speculation is not None:
+            stats = engine.speculation.stats.snapshot()
+            drafted += sum(counts.drafted for counts in stats.sources.values())
+            accepted += sum(counts.accepted for counts in stats.sources.values())
+            drafts += stats.steps_speculative
+    values = [
+        ("prompt_tokens_total", "counter", "prompt tokens processed", prompt - cached +
+         metrics.total("reame_embedding_tokens_total")),
+        ("prompt_tokens_cached_total", "counter", "prompt tokens found cached", cached),
+        ("prompt_seconds_total", "counter", "prompt processing seconds", prompt_s),
+        ("tokens_predicted_total", "counter", "tokens generated", predicted),
+        ("tokens_predicted_seconds_total", "counter", "generation seconds", predicted_s),
+        ("n_decode_total", "counter", "decode calls", sum(engine.status.kv.decodes for engine in engines)),
+        ("spec_decode_num_draft_tokens_total", "counter", "draft tokens proposed", drafted),
+        ("spec_decode_num_accepted_tokens_total", "counter", "draft tokens accepted", accepted),
+        ("spec_decode_num_drafts_total", "counter", "steps that verified drafts", drafts),
+        ("prompt_tokens_seconds", "gauge", "prompt tokens per second", (prompt - cached) / prompt_s if prompt_s else 0),
+        ("predicted_tokens_seconds", "gauge", "tokens generated per second", predicted / predicted_s if predicted_s
+         else 0),
+        ("requests_processing", "gauge", "requests generating", running),
+        ("requests_deferred", "gauge", "requests waiting for a slot", sum(e.status.waiting for e in engines)),
+        ("n_busy_slots_per_decode", "gauge", "slots busy per decode", running)]
+    return [Sample(f"llamacpp:{name}", kind, text, {}, value) for name, kind, text, value in values]
+
+
+def slots(app: Service, handler: Asker, _path: str) -> None:
+    """llama-server's slot monitor: each sequence slot of the model (`?model=`, else the first) and whether it
+    is generating; `?fail_on_no_slot=1`: a 503 when none is free."""
+    if not app.settings.slots:
+        raise HttpError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                        "not_supported_error")
+    served = app.model(handler, query_model(handler) or app.models.default.name)
+    engine = loaded(served)
+    status, backend = engine.status, engine.backend
+    if "fail_on_no_slot=" in handler.path.partition("?")[2] and status.running >= backend.n_seq_max:
+        raise HttpError(503, "no slot available", "unavailable_error")
+    handler.send(Whole(200, [{"id": slot, "id_task": -1, "n_ctx": backend.n_ctx_seq,
+                              "speculative": engine.speculation is not None, "is_processing": slot < status.running}
+                             for slot in range(backend.n_seq_max)]))
+
+
 def apply_template(app: Service, handler: Asker, _path: str) -> None:
     """The chat template over `messages`, the assistant's turn opened: {"prompt": text}."""
     fields = Fields(handler.read_json())
@@ -521,4 +549,5 @@ ROUTES = [Route("/completion", ("POST",), completion, error_body=error_body),
           Route("/apply-template", ("POST",), apply_template, error_body=error_body),
           Route("/tokenize", ("POST",), tokenize, error_body=error_body),
           Route("/detokenize", ("POST",), detokenize, error_body=error_body),
-          Route("/props", ("GET", "POST"), props, error_body=error_body)]
+          Route("/props", ("GET", "POST"), props, error_body=error_body),
+          Route("/slots", ("GET",), slots, error_body=error_body)]

@@ -17,9 +17,11 @@ from reame.server.exchange import CACHE_BYPASS, Asked, EngineGone, Options, Subm
 from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.semantic import chat_question
+from reame.engine.embeddings import MAX_INPUTS
 from reame.server.models import loaded
+from reame.server.prompts import llama_prompts
 from reame.server.service import Service, as_http_error
-from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts, embedding_inputs,
+from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts,
                                      requested_model, sampling_params)
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import tool_request
@@ -91,8 +93,15 @@ def embeddings(app: Service, handler: Asker, _path: str) -> None:
     if dimensions not in (None, engine.backend.n_embd):
         raise HttpError(400, f"this model's embeddings have {engine.backend.n_embd} dimensions and cannot be "
                         f"shortened to {dimensions}", param="dimensions", code="unsupported_parameter")
-    inputs = [engine.backend.tokenize(item, add_special=True, parse_special=False) if isinstance(item, str)
-              else list(item) for item in embedding_inputs(fields.body.get("input"))]
+    backend = engine.backend
+
+    def tokenize(text: str, first: bool = True) -> list[int]:
+        return backend.tokenize(text, add_special=first, parse_special=False)
+    # llama-server's input shapes, a superset of OpenAI's (mixed ids and text, objects of text parts).
+    inputs = [tokenize(item) if isinstance(item, str) else item
+              for item in llama_prompts(fields.body.get("input"), tokenize, MAX_INPUTS, "input")]
+    if any(not tokens for tokens in inputs):
+        raise HttpError(400, "'input' holds a text of no tokens", param="input", code="invalid_value")
     vectors = app.embeddings(handler.gone, served, inputs)
     if vectors is None:
         return
