@@ -66,8 +66,8 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
             command += [flag, value]
     env = {"REAME_SERVER_MODEL_ID": args.alias or "", "REAME_CACHE_ANSWERS": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    if args.n_predict:
-        env["REAME_SERVER_MAX_ANSWER_TOKENS"] = args.n_predict
+    if args.n_predict:  # llama-server's default for a request that sets none
+        env["REAME_GENERATION_MAX_TOKENS"] = args.n_predict
     if not args.metrics:  # llama-server serves /metrics only with --metrics
         env["REAME_SERVER_METRICS"] = "false"
     if args.no_slots:

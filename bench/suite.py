@@ -76,4 +76,5 @@ SUITE = (
     Bench("soak", "Soak: misbehaving clients against a few slots", (), ("--seconds", "15")),
     Bench("startup", "Start-up: a shell script's one-shot prompt and --serve until ready vs llama.cpp", (),
           ("--reps", "3"), needs=("tools", "pyz")),
+    Bench("server_tests", "llama.cpp's own server tests: Reame vs llama-server, the same stand-in models", (), ()),
 )

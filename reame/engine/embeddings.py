@@ -47,7 +47,7 @@ class EmbeddingJob:
                 raise RequestError(f"input {index} is empty", param="input")
             if len(tokens) > limit:
                 raise RequestError(f"This model's maximum context length for embeddings is {limit} tokens. However, "
-                                   f"input {index} has {len(tokens)} tokens. Please reduce its length.",
+                                   f"input {index} has {len(tokens)} tokens, too large: please reduce its length.",
                                    param="input", code="context_length_exceeded")
             for token in tokens:
                 if not 0 <= token < backend.n_vocab:

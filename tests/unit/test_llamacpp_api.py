@@ -214,7 +214,7 @@ def test_apply_template_and_props(app):
     prompt = whole(app, "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})["prompt"]
     assert prompt.endswith("<|im_start|>assistant\n") and "hi" in prompt
     props = whole(app, "/props", {}, "GET")
-    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 1024
+    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 512  # 1024 over 2 slots
     with pytest.raises(HttpError) as raised:
         run(app, "/props", {}, command="POST")
     assert raised.value.status == 403
@@ -293,7 +293,7 @@ def test_the_first_token_is_left_out_of_the_generation_rate(app):
 def test_slots_list_each_sequence_slot_and_refuse_when_off(app):
     slots = whole(app, "/slots", {}, "GET")
     assert [slot["id"] for slot in slots] == [0, 1] and not any(slot["is_processing"] for slot in slots)
-    assert all("params" not in slot and slot["n_ctx"] == 1024 for slot in slots)
+    assert all("params" not in slot and slot["n_ctx"] == 512 for slot in slots)
     engine, off = serving(FakeBackend(n_ctx=1024))
     off.settings = ServerSettings(port=0, request_log=False, slots=False)
     with engine, pytest.raises(HttpError) as raised:

@@ -194,7 +194,8 @@ def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, pr
            chat: bool) -> None:
     """Generate for each prompt (`n_cmpl` each) and answer as llama-server does: SSE records while it
     streams (no [DONE]), else one object, or an array of them for several."""
-    predict = fields.integer("n_predict", -1, -1, None)
+    default_predict = app.settings.sampling.max_tokens  # the server's default, as llama-server's --n-predict
+    predict = fields.integer("n_predict", default_predict if default_predict is not None else -1, -1, None)
     n_cmpl = fields.integer("n_cmpl", 1, 1, MAX_CHOICES)
     if len(prompts) * n_cmpl > MAX_CHOICES:
         raise HttpError(400, f"a request asks at most {MAX_CHOICES} completions in all (prompts × n_cmpl)",
@@ -483,6 +484,8 @@ def metric_samples(app: Service) -> list[Sample]:
         ("tokens_predicted_total", "counter", "tokens generated", predicted),
         ("tokens_predicted_seconds_total", "counter", "generation seconds", predicted_s),
         ("n_decode_total", "counter", "decode calls", sum(engine.status.kv.decodes for engine in engines)),
+        ("n_tokens_max", "counter", "the most tokens a slot holds now", max(
+            (max(map(len, engine.status.idle_prefixes), default=0) for engine in engines), default=0)),
         ("spec_decode_num_draft_tokens_total", "counter", "draft tokens proposed", drafted),
         ("spec_decode_num_accepted_tokens_total", "counter", "draft tokens accepted", accepted),
         ("spec_decode_num_drafts_total", "counter", "steps that verified drafts", drafts),
@@ -493,6 +496,12 @@ def metric_samples(app: Service) -> list[Sample]:
         ("requests_deferred", "gauge", "requests waiting for a slot", sum(e.status.waiting for e in engines)),
         ("n_busy_slots_per_decode", "gauge", "slots busy per decode", running)]
     return [Sample(f"llamacpp:{name}", kind, text, {}, value) for name, kind, text, value in values]
+
+
+def slot_context(backend: Backend) -> int:
+    """The context a slot is sure of, as llama-server reports it: the whole context over the slots (with a
+    unified KV, one request alone may use more)."""
+    return backend.n_ctx // backend.n_seq_max
 
 
 def slots(app: Service, handler: Asker, _path: str) -> None:
@@ -506,7 +515,7 @@ def slots(app: Service, handler: Asker, _path: str) -> None:
     status, backend = engine.status, engine.backend
     if "fail_on_no_slot=" in handler.path.partition("?")[2] and status.running >= backend.n_seq_max:
         raise HttpError(503, "no slot available", "unavailable_error")
-    handler.send(Whole(200, [{"id": slot, "id_task": -1, "n_ctx": backend.n_ctx_seq,
+    handler.send(Whole(200, [{"id": slot, "id_task": -1, "n_ctx": slot_context(backend),
                               "speculative": engine.speculation is not None, "is_processing": slot < status.running}
                              for slot in range(backend.n_seq_max)]))
 
@@ -531,7 +540,8 @@ def props(app: Service, handler: Asker, _path: str) -> None:
     defaults = generation_settings(sampling(Fields({}), None, backend, app.settings.sampling), -1, False, 0,
                                    served.name)
     handler.send(Whole(200, {
-        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": backend.n_ctx_seq, "speculative": False,
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": slot_context(backend),
+                                        "speculative": False,
                                         "is_processing": False, "params": defaults},
         "total_slots": backend.n_seq_max, "model_alias": served.name, "model_path": served.facts.path,
         "modalities": {"vision": False, "audio": False}, "endpoint_slots": False, "endpoint_props": False,
