@@ -10,8 +10,8 @@ from reame.server.client import Event, Frame, Header, Line, Opening, Whole
 
 
 class RecordingClient:
-    def __init__(self, path: str, body: dict[str, Any], owner: str = "") -> None:
-        self.path, self.command, self.body, self.owner = path, "POST", body, owner
+    def __init__(self, path: str, body: dict[str, Any], owner: str = "", command: str = "POST") -> None:
+        self.path, self.command, self.body, self.owner = path, command, body, owner
         self.leases: list[Any] = []
         self.headers: dict[str, str] = {}  # the headers the answer was sent with
         self.status: int | None = None  # 200 once a stream opens, or a whole answer's status
@@ -41,3 +41,16 @@ class RecordingClient:
                 self.frames.append((name or "data", payload))
             case Line(payload):
                 self.frames.append(("line", payload))
+
+
+def run_route(app: Any, path: str, body: dict[str, Any], command: str = "POST") -> RecordingClient:
+    """The route for `path` on a recording client, as App.dispatch runs it (the models let go after)."""
+    from reame.server.app import ROUTER
+    client = RecordingClient(path, body, command=command)
+    route, routed = ROUTER.find(path)
+    assert route is not None
+    try:
+        route.handler(app, client, routed)
+    finally:
+        app.release_models(client)
+    return client

@@ -6,11 +6,11 @@ import json
 import pytest
 
 from reame.engine import Engine
-from reame.server.app import ROUTER, App
+from reame.server.app import App
 from reame.server.settings import ServerSettings
 from reame.server.models import ModelPool, ServedModel
 from tests.fakes.backend import FakeBackend
-from tests.fakes.client import RecordingClient
+from tests.fakes.client import RecordingClient, run_route
 from tests.unit.test_server import FAKE_FACTS
 
 ASK = [{"role": "user", "content": "hello there"}]
@@ -26,15 +26,7 @@ def app():
 
 
 def run(app: App, path: str, body: dict) -> RecordingClient:
-    """The route for `path` on a recording client, as App.dispatch runs it (the models let go after)."""
-    client = RecordingClient(path, body)
-    route, routed = ROUTER.find(path)
-    assert route is not None
-    try:
-        route.handler(app, client, routed)
-    finally:
-        app.release_models(client)
-    return client
+    return run_route(app, path, body)
 
 
 def whole_and_streamed(app, path, body):

@@ -7,12 +7,12 @@ import pytest
 from reame.engine import Engine
 from reame.engine.prompt import SNIPPET_SEPARATOR, infill
 from reame.server.apis.llamacpp import indent_cut, picked
-from reame.server.app import ROUTER, App
+from reame.server.app import App
 from reame.server.client import HttpError
 from reame.server.models import ModelPool, ServedModel
 from reame.server.settings import ServerSettings
 from tests.fakes.backend import BOS, EOS, FIM_MID, FIM_PRE, FIM_REP, FIM_SEP, FIM_SUF, N_VOCAB, FakeBackend
-from tests.fakes.client import RecordingClient
+from tests.fakes.client import RecordingClient, run_route
 from tests.unit.test_server import FAKE_FACTS
 
 GREEDY = {"temperature": 0, "n_predict": 8}
@@ -34,15 +34,7 @@ def app():
 
 
 def run(app: App, path: str, body: dict, command: str = "POST") -> RecordingClient:
-    client = RecordingClient(path, body)
-    client.command = command
-    route, routed = ROUTER.find(path)
-    assert route is not None
-    try:
-        route.handler(app, client, routed)
-    finally:
-        app.release_models(client)
-    return client
+    return run_route(app, path, body, command)
 
 
 def whole(app: App, path: str, body: dict, command: str = "POST"):
