@@ -66,12 +66,14 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
             command += [flag, value]
     env = {"REAME_SERVER_MODEL_ID": args.alias or "", "REAME_CACHE_ANSWERS": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    if args.n_predict:  # llama-server's default for a request that sets none
+    if args.n_predict and int(args.n_predict) > 0:  # llama-server's default for a request that sets none
         env["REAME_GENERATION_MAX_TOKENS"] = args.n_predict
     if not args.metrics:  # llama-server serves /metrics only with --metrics
         env["REAME_SERVER_METRICS"] = "false"
     if args.no_slots:
         env["REAME_SERVER_SLOTS"] = "false"
+    if args.no_ui:
+        env["REAME_SERVER_WEB_PAGE"] = "false"
     if args.ctk in ("f16", "q8_0", "q4_0"):
         command += ["--kv-type", args.ctk]
     return command, env

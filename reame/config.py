@@ -108,6 +108,7 @@ KEYS: tuple[Key, ...] = (
     Key("server.request_logging", "bool", True, "log one line per HTTP request"),
     Key("server.metrics", "bool", True, "serve GET /metrics (Prometheus text); false = 501"),
     Key("server.slots", "bool", True, "serve GET /slots (llama-server's slot monitor); false = 501"),
+    Key("server.web_page", "bool", True, "serve the built-in web page at / (chat and dashboard); false = 404"),
     Key("server.allow_pull", "bool", False, "let clients fetch catalog models to this machine with Ollama's "
         "/api/pull (gigabytes of disk each); false = 403"),
     Key("cache.enabled", "bool", True, "keep prompts' KV in the persistent prefix cache and restore it"),

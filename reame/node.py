@@ -43,7 +43,8 @@ def server_settings(settings: Settings) -> ServerSettings:
         idle_timeout_s=server.idle_timeout_s, header_timeout_s=server.header_timeout_s,
         request_timeout_s=server.request_timeout_s, grace_s=server.shutdown_grace_s,
         node_name=header_safe(server.node_name or socket.gethostname()),
-        request_log=server.request_logging, metrics=server.metrics, slots=server.slots, allow_pull=server.allow_pull,
+        request_log=server.request_logging, metrics=server.metrics, slots=server.slots, web_page=server.web_page,
+        allow_pull=server.allow_pull,
         sampling=settings.generation)
 
 

@@ -139,7 +139,9 @@ class App(Service):
             handler.send(Whole(200, {"status": "ok", "auth": auth}))
 
     def web_page(self, handler: Handler, _path: str) -> None:
-        """The built-in page (reame/web/index.html): chat playground and live dashboard."""
+        """The built-in page (reame/web/index.html): chat playground and live dashboard (404 when off)."""
+        if not self.settings.web_page:
+            raise HttpError(404, "the web page is off on this server (server.web_page = false)", code="not_found")
         handler.send(Whole(200, WEB_PAGE, {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
                                            "Content-Security-Policy": "default-src 'self'; script-src "
                                            "'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:"},

@@ -312,3 +312,21 @@ def test_embeddings_take_llama_servers_input_shapes(app, value):
 def test_bad_input_shapes_are_a_400(app, value):
     assert refused(app, "/v1/embeddings", {"input": value}).status == 400
     assert refused(app, "/completion", {"prompt": value}).status == 400
+
+
+def test_a_chat_requests_input_tokens_are_counted_as_its_prompt_would_be(app):
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    counted = whole(app, "/chat/completions/input_tokens", {"messages": messages})["input_tokens"]
+    asked = whole(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert counted == asked["usage"]["prompt_tokens"] > 5
+
+
+def test_the_web_page_can_be_turned_off_as_llama_servers_no_ui():
+    engine, app = serving(FakeBackend(n_ctx=1024))
+    with engine:
+        page = run(app, "/", {}, "GET")
+        assert page.status == 200 and page.content_type.startswith("text/html")
+        app.settings = ServerSettings(port=0, request_log=False, web_page=False)
+        with pytest.raises(HttpError) as raised:
+            run(app, "/", {}, "GET")
+    assert raised.value.status == 404

@@ -161,6 +161,15 @@ def chat_completions(app: Service, handler: Asker, _path: str) -> None:
         tools=tools, thinks=thinks, question=question))
 
 
+def chat_input_tokens(app: Service, handler: Asker, _path: str) -> None:
+    """llama-server's token count of a chat request: its messages (and tools) through the model's template,
+    the assistant's turn opened, as /v1/chat/completions would prefill them: {"input_tokens": N}."""
+    fields = Fields(handler.read_json())
+    engine = loaded(app.model(handler, requested_model(fields)))
+    prompt = turn.chat_prompt(engine, chat_messages(fields.body.get("messages")), tool_request(fields.body))
+    handler.send(Whole(200, {"input_tokens": len(engine.prompt_tokens(GenerationRequest(prompt)))}))
+
+
 def thinking_switch(fields: Fields) -> bool | None:
     """A thinking model's switch as OpenAI-compatible clients send it: `chat_template_kwargs.enable_thinking`
     (vLLM's and llama-server's), or `reasoning_effort: "none"` to turn it off; None: the template's default."""
@@ -189,6 +198,7 @@ def encode_vector(vector: list[float], encoding: str) -> list[float] | str:
 ROUTES = [
     Route("/v1/completions", ("POST",), completions),
     Route("/v1/chat/completions", ("POST",), chat_completions),
+    Route("/v1/chat/completions/input_tokens", ("POST",), chat_input_tokens),
     Route("/v1/embeddings", ("POST",), embeddings),
     Route("/v1/models", ("GET",), models),
     Route("/v1/models/", ("GET",), model, prefix=True),
