@@ -9,7 +9,7 @@ from importlib import resources
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import anthropic, llamacpp, ollama, openai, responses, sessions
+from reame.server.apis import anthropic, llamacpp, llamacpp_info, ollama, openai, responses, sessions
 from reame.server.forgery import allowed_hosts, forged
 from reame.server.client import HttpError, Whole
 from reame.server.http import Handler
@@ -33,7 +33,7 @@ class App(Service):
         self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
-        self.metrics.collector(lambda: llamacpp.metric_samples(self))
+        self.metrics.collector(lambda: llamacpp_info.metric_samples(self))
 
     def cache_samples(self) -> list[Sample]:
         """Each loaded model's prefix cache (and its share of a fleet's store), labelled with the model."""
@@ -184,4 +184,5 @@ ROUTER = Router([
     *responses.ROUTES,
     *sessions.ROUTES,
     *llamacpp.ROUTES,
+    *llamacpp_info.ROUTES,
 ])

@@ -330,3 +330,12 @@ def test_the_web_page_can_be_turned_off_as_llama_servers_no_ui():
         with pytest.raises(HttpError) as raised:
             run(app, "/", {}, "GET")
     assert raised.value.status == 404
+
+
+def test_many_extra_chunks_or_bias_entries_are_a_400_before_any_is_tokenized(app):
+    import time
+    started = time.perf_counter()
+    many = refused(app, "/infill", {"input_prefix": "", "input_suffix": "",
+                                    "input_extra": [{"text": "x"}] * 50_000})
+    bias = refused(app, "/completion", {"prompt": "x", "logit_bias": [["some text", 1]] * 50_000})
+    assert (many.param, bias.param) == ("input_extra", "logit_bias") and time.perf_counter() - started < 1.0
