@@ -108,6 +108,10 @@ KEYS: tuple[Key, ...] = (
     Key("server.request_logging", "bool", True, "log one line per HTTP request"),
     Key("server.metrics", "bool", True, "serve GET /metrics (Prometheus text); false = 501"),
     Key("server.slots", "bool", True, "serve GET /slots (llama-server's slot monitor); false = 501"),
+    Key("server.cache_reuse", "int", 64, "llama-server's --cache-reuse for its routes (/completion, /infill) when a "
+        "request sends no n_cache_reuse: after the common prefix, runs of at least this many tokens an idle slot "
+        "holds are moved to where the new prompt has them instead of prefilled (an editor's moving window); the "
+        "moved keys are re-rotated, not recomputed; 0 = off", minimum=0),
     Key("server.web_page", "bool", True, "serve the built-in web page at / (chat and dashboard); false = 404"),
     Key("server.allow_pull", "bool", False, "let clients fetch catalog models to this machine with Ollama's "
         "/api/pull (gigabytes of disk each); false = 403"),

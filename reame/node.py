@@ -44,6 +44,7 @@ def server_settings(settings: Settings) -> ServerSettings:
         request_timeout_s=server.request_timeout_s, grace_s=server.shutdown_grace_s,
         node_name=header_safe(server.node_name or socket.gethostname()),
         request_log=server.request_logging, metrics=server.metrics, slots=server.slots, web_page=server.web_page,
+        cache_reuse=server.cache_reuse,
         allow_pull=server.allow_pull,
         sampling=settings.generation)
 

@@ -78,6 +78,7 @@ class ServerOptions:
     metrics: bool
     slots: bool
     web_page: bool
+    cache_reuse: int
     allow_pull: bool
     models: tuple[ModelSpec, ...]  # served besides the first (model.path)
     max_loaded_models: int
@@ -201,7 +202,8 @@ def from_values(values: dict[str, Value]) -> Settings:
             sessions=SessionLimits(get("server.max_sessions_per_key"), get("server.max_sessions"),
                                    int(get("server.sessions_ram_mb") * 2**20), get("server.session_idle_hours") * 3600),
             request_logging=get("server.request_logging"), metrics=get("server.metrics"),
-            slots=get("server.slots"), web_page=get("server.web_page"), allow_pull=get("server.allow_pull"),
+            slots=get("server.slots"), web_page=get("server.web_page"), cache_reuse=get("server.cache_reuse"),
+            allow_pull=get("server.allow_pull"),
             models=model_specs(get("server.models"), values["server.models"].origin),
             max_loaded_models=get("server.max_loaded_models"), models_ram_bytes=get("server.models_ram_mb") << 20,
             keep_alive_s=get("server.keep_alive_seconds")),

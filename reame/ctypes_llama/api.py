@@ -113,6 +113,10 @@ _declare("llama_memory_clear", [llama_memory_t, c_bool], None)
 _declare("llama_memory_seq_rm", [llama_memory_t, llama_seq_id, llama_pos, llama_pos], c_bool)
 # LLAMA_API void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
 _declare("llama_memory_seq_cp", [llama_memory_t, llama_seq_id, llama_seq_id, llama_pos, llama_pos], None)
+# LLAMA_API void llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos delta);
+_declare("llama_memory_seq_add", [llama_memory_t, llama_seq_id, llama_pos, llama_pos, llama_pos], None)
+# LLAMA_API bool llama_memory_can_shift(llama_memory_t mem);
+_declare("llama_memory_can_shift", [llama_memory_t], c_bool)
 # LLAMA_API void llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
 _declare("llama_memory_seq_keep", [llama_memory_t, llama_seq_id], None)
 # LLAMA_API llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);

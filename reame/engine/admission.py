@@ -61,22 +61,51 @@ def reserved_with(running: Sequence[Running], handle: Handle, limits: ContextLim
         sum(answer_reservation(sequence.handle, limits) for sequence in running)
 
 
-def pick_slot(slots: Sequence[Slot], prompt: list[int]) -> tuple[Slot, int]:
-    """The idle slot sharing the longest prefix with `prompt`, and how many of its cached tokens can be kept
-    (never the whole prompt: the last prompt token is always decoded, for its logits). When no slot shares
-    a useful prefix (a BOS is not one), an empty slot or else the least recently used one is taken, so other
-    slots keep their caches, and none of what it holds is kept: a few shared tokens (a chat template's
-    system prompt) would save nothing measurable, and would move where the rest of the prompt is cut into
-    batches, which changes llama.cpp's arithmetic (docs/engine.md: a prompt computed as the first time)."""
+def reuse_runs(held: list[int], prompt: Sequence[int], min_run: int) -> list[tuple[int, int, int]]:
+    """llama-server's cache reuse (server-context.cpp at the pin), over what a slot holds: the common prefix,
+    then, scanning the held tokens on, every run of at least `min_run` of them that matches the prompt's next
+    tokens, as `(old, new, n)`: held[old:old+n] is prompt[new:new+n]. Tokens the prompt has that the slot did
+    not end the scan for the prompt (moved keys must not come before computed ones); the last prompt token
+    is never covered. Empty when no run moves."""
+    limit = len(prompt) - 1
+    shared = min(common_prefix(held, prompt), limit)
+    runs = [(0, 0, shared)] if shared else []
+    head_c = head_p = shared
+    while head_c < len(held) and head_p < limit and min_run > 0:
+        want = prompt[head_p]
+        try:
+            head_c = held.index(want, head_c)
+        except ValueError:
+            break
+        n = 0
+        while head_c + n < len(held) and head_p + n < limit and held[head_c + n] == prompt[head_p + n]:
+            n += 1
+        if n >= min_run:
+            runs.append((head_c, head_p, n))
+            head_p += n
+        head_c += max(n, 1) if n >= min_run else 1
+    return runs if any(old != new for old, new, _ in runs) else []
+
+
+def pick_slot(slots: Sequence[Slot], prompt: list[int], reuse: int = 0) -> tuple[Slot, int, list[tuple[int, int, int]]]:
+    """The idle slot sharing the longest prefix with `prompt`, how many of its cached tokens can be kept
+    (never the whole prompt: the last prompt token is always decoded, for its logits), and, with `reuse`
+    (a request's cache reuse), the runs to move (`reuse_runs`: then the slot covering the most with them, and
+    the count is what they cover). When no slot shares a useful prefix (a BOS is not one), an empty slot or
+    else the least recently used one is taken, so other slots keep their caches, and none of what it holds
+    is kept: a few shared tokens (a chat template's system prompt) would save nothing measurable, and would
+    move where the rest of the prompt is cut into batches, which changes llama.cpp's arithmetic
+    (docs/engine.md: a prompt computed as the first time)."""
     idle = sorted((slot for slot in slots if slot.running is None), key=lambda slot: slot.used)
-    best, best_shared = idle[0], 0
+    best, best_shared, best_runs = idle[0], 0, []
     for slot in idle:
-        shared = common_prefix(slot.held, prompt)
+        runs = reuse_runs(slot.held, prompt, reuse) if reuse and slot.held else []
+        shared = runs[-1][1] + runs[-1][2] if runs else common_prefix(slot.held, prompt)
         if shared > best_shared:
-            best, best_shared = slot, shared
+            best, best_shared, best_runs = slot, shared, runs
     if best_shared < max(MIN_REUSED_TOKENS, len(prompt) * MIN_REUSED_SHARE):
-        return next((slot for slot in idle if not slot.held), idle[0]), 0
-    return best, min(best_shared, len(prompt) - 1)
+        return next((slot for slot in idle if not slot.held), idle[0]), 0, []
+    return best, min(best_shared, len(prompt) - 1), best_runs
 
 
 def prefilling_twin(running: Sequence[Running], handle: Handle) -> Running | None:

@@ -41,6 +41,7 @@ class KvStats:
     cells_given_up: int = 0  # cells idle slots freed (for room, or for a request taking their slot)
     idle_snapshots: int = 0  # idle slots' KV kept in the prefix cache as they gave it up
     decodes: int = 0  # decode calls: generations' batches and embeddings' (llama-server's n_decode_total)
+    tokens_moved: int = 0  # prompt tokens whose KV cache reuse moved into place instead of a prefill
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,16 @@ class KvCells:
         runs = [Run(run.origin, run.start, min(run.end, end)) for run in self._runs.get(source, ())
                 if run.start < end]
         self._set(target, runs)
+
+    def reuse(self, seq_id: int, chunks: Sequence[tuple[int, int, int]]) -> None:
+        """Keep the runs `(old, new, n)` of the sequence (admission.reuse_runs), moved down; its cells past the
+        first moved run must be its own (moving a cell moves it for every sequence holding it)."""
+        self.backend.seq_reuse(seq_id, chunks)
+        end = chunks[-1][1] + chunks[-1][2] if chunks else 0
+        moved = next((new for old, new, _ in chunks if old != new), end)
+        self._cut(seq_id, moved)
+        if moved < end:
+            self._set(seq_id, [*self._runs.get(seq_id, ()), Run(next(self._origins), moved, end)])
 
     def restore(self, seq_id: int, blob: bytes | memoryview, cells: int) -> bool:
         """Restore a state of `cells` tokens into the sequence (its own cells freed first); False, with the

@@ -61,6 +61,10 @@ class GenerationRequest:
     # The caller sends tokens on as they come and calls `Handle.delivered()` once it has: the engine waits
     # for that (briefly) before the step after the first token, so writing it does not compete with that step.
     streamed: bool = False
+    # llama-server's cache reuse (`n_cache_reuse`): runs of at least this many tokens of what the slot holds
+    # that the prompt has later than the slot had them are moved into place instead of prefilled (0: never).
+    # The moved keys are re-rotated, not recomputed, so the answer may differ from a fresh prefill's.
+    cache_reuse: int = 0
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
@@ -80,6 +84,8 @@ class GenerationRequest:
             raise RequestError("params must be SamplingParams")
         if self.suffix is not None and not isinstance(self.suffix, str):
             raise RequestError("suffix must be a string", param="suffix")
+        if not isinstance(self.cache_reuse, int) or isinstance(self.cache_reuse, bool) or self.cache_reuse < 0:
+            raise RequestError("n_cache_reuse must be an integer of at least 0", param="n_cache_reuse")
 
 
 # --- events -------------------------------------------------------------------------

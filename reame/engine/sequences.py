@@ -70,6 +70,7 @@ class Sequences:
         self._releases = itertools.count(1)
         self._restores: Counter[tuple[str, str]] = Counter()  # (source, outcome) -> restores
         self._cells_given_up = self._idle_snapshots = 0
+        self._reused_tokens = 0  # prompt tokens whose KV was moved into place (cache reuse) instead of prefilled
 
     @property
     def full(self) -> bool:
@@ -87,7 +88,9 @@ class Sequences:
         backend = self.backend
         params = handle.request.params
         steps = chain_steps(params, backend.eog_tokens() if params.ignore_eos else (), history=handle.prompt_tokens)
-        slot, shared = admission.pick_slot(self.slots, handle.prompt_tokens)
+        # A warm request fills the prefix cache, which keeps only what a prefill computes: it moves nothing.
+        reuse = handle.request.cache_reuse if backend.can_shift and not handle.request.warm else 0
+        slot, shared, runs = admission.pick_slot(self.slots, handle.prompt_tokens, reuse)
         self._newer_snapshot(handle, shared)
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
@@ -96,8 +99,15 @@ class Sequences:
             most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
             running = Running(handle, slot, sampler, most, next(self._admissions))
             start = admission.plan_start(handle, shared, self.running, backend.supports_rollback)
-            # What the slot held beyond this prompt's start goes (all of it unless the start is the slot's).
-            shared = self._give_up(slot, start.shared if start.source == "slot" else 0)
+            if runs and start.source == "slot" and self.kv.exclusive(slot.seq_id) == self.kv.length(slot.seq_id):
+                # Its runs move into place (cells no other sequence holds): the KV is no longer what a prefill
+                # computes, so it is never snapshotted, and what the slot gives up is not kept either.
+                self.kv.reuse(slot.seq_id, runs)
+                self._reused_tokens += shared - runs[0][2] if runs[0][0] == runs[0][1] else shared
+            else:
+                runs = []
+                # What the slot held beyond this prompt's start goes (all of it unless the start is the slot's).
+                shared = self._give_up(slot, start.shared if start.source == "slot" else 0)
             if self.cache is not None:
                 self._compact(slot)
             if start.source == "donor":  # the cells are shared, not copied
@@ -110,7 +120,7 @@ class Sequences:
             running.n_fed = running.cached = shared
             running.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
-            running.snapshot_at = self._snapshot_point(running)
+            running.snapshot_at = self._snapshot_point(running) if not runs else -1
             if self.speculation is not None and not handle.request.warm:
                 running.draftings = self.speculation.start(handle.prompt_tokens, handle.grammar)
         except BaseException:
@@ -247,7 +257,7 @@ class Sequences:
         cells = kv.capacity if kv.unified else kv.capacity * len(self.slots)
         return KvStats(cells, kv.used(), tuple((source, outcome, count) for (source, outcome), count
                                                in sorted(self._restores.items())),
-                       self._cells_given_up, self._idle_snapshots, kv.decodes + other_decodes)
+                       self._cells_given_up, self._idle_snapshots, kv.decodes + other_decodes, self._reused_tokens)
 
     # --- while running -----------------------------------------------------------------
 

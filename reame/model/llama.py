@@ -96,6 +96,7 @@ class LlamaBackend:
         self.architecture = self.meta("general.architecture") or ""
         self.supports_rollback = not (api.llama_model_is_recurrent(self._model)
                                       or api.llama_model_is_hybrid(self._model))
+        self.can_shift = bool(api.llama_memory_can_shift(self._memory))
         template = api.llama_model_chat_template(self._model, None)
         self._chat_template: bytes | None = template or (
             BUILTIN_TEMPLATE_BY_ARCH[self.architecture].encode()
@@ -404,6 +405,19 @@ class LlamaBackend:
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self._api.llama_memory_seq_pos_max(self._memory, seq_id)
+
+    def seq_reuse(self, seq_id: int, chunks: Sequence[tuple[int, int, int]]) -> None:
+        # As llama-server moves them (server-context.cpp, cache reuse): what lies between a run's new and old
+        # start goes (earlier runs are already below it, later ones still at their old positions), the run
+        # moves down; then whatever is past the last run goes. llama.cpp re-rotates the moved keys at the
+        # next decode.
+        end = 0
+        for old, new, n in chunks:
+            if old != new:
+                self._api.llama_memory_seq_rm(self._memory, seq_id, new, old)
+                self._api.llama_memory_seq_add(self._memory, seq_id, old, old + n, new - old)
+            end = new + n
+        self._api.llama_memory_seq_rm(self._memory, seq_id, end, -1)
 
     def clear(self) -> None:
         self._api.llama_memory_clear(self._memory, True)

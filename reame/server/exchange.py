@@ -93,6 +93,7 @@ class Asked:
     question: Question | None = None
     cacheable: bool = True
     warm: bool = False
+    cache_reuse: int = 0  # GenerationRequest.cache_reuse
 
 
 @dataclass
@@ -376,7 +377,8 @@ def begin(app: Host, model: ServedModel, asked: Asked, gone: Gone) -> Exchange:
     the exchange that follows them. RequestError, OverloadedError as the engine raises them."""
     options = asked.options
     requests = [GenerationRequest(prompt, params, logprobs=options.logprobs, session=asked.session,
-                                  suffix=asked.suffix, streamed=asked.streamed, warm=asked.warm)
+                                  suffix=asked.suffix, streamed=asked.streamed, warm=asked.warm,
+                                  cache_reuse=asked.cache_reuse)
                 for index, prompt in enumerate(asked.prompts)
                 for params in attempt_params(asked.params, options, index)]
     # One deterministic answer (greedy, or an explicit seed) may have been kept.

@@ -192,4 +192,6 @@ def kv_samples(kv: KvStats, labels: dict[str, str]) -> list[Sample]:
             Sample("reame_kv_idle_cells_given_up_total", "counter", "KV cells idle slots gave up for room or to a new "
                    "request", labels, kv.cells_given_up),
             Sample("reame_kv_idle_snapshots_total", "counter", "idle slots' KV kept in the prefix cache as they gave "
-                   "it up", labels, kv.idle_snapshots)]
+                   "it up", labels, kv.idle_snapshots),
+            Sample("reame_kv_tokens_moved_total", "counter", "prompt tokens whose KV cache reuse (n_cache_reuse) moved "
+                   "into place instead of prefilling them", labels, kv.tokens_moved)]

@@ -29,6 +29,7 @@ class ServerSettings:
     metrics: bool = True  # serve GET /metrics
     slots: bool = True  # serve GET /slots
     web_page: bool = True  # serve the built-in page at /
+    cache_reuse: int = 64  # llama-server's routes: n_cache_reuse where a request sends none (0: off)
     allow_pull: bool = False  # Ollama's /api/pull fetches catalog models (false: 403)
     # What llama-server's routes sample with where a request says nothing ([generation], as llama-server's come
     # from its command line): temperature, top_k, top_p, min_p, repeat_penalty and the seed.

@@ -232,6 +232,7 @@ class FakeBackend:
     has_fim = True
     has_fim_repo = True  # the repo-level FIM tokens (<|repo_name|>, <|file_sep|>), as Qwen2.5-Coder has
     supports_rollback = True
+    can_shift = True
     sliding_window = 0
 
     def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule,
@@ -263,6 +264,7 @@ class FakeBackend:
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
         self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
+        self.reuses: list[list[tuple[int, int, int]]] = []  # seq_reuse's runs, call by call
         self.refused_restores = 0  # states refused for want of free cells (llama.cpp logs "failed to find")
         self.sampler_seq_ids: list[int | None] = []  # per chain: the sequence it was attached to, if any
 
@@ -420,6 +422,17 @@ class FakeBackend:
 
     def seq_pos_max(self, seq_id: int) -> int:
         return len(self._kv.get(seq_id, [])) - 1
+
+    def seq_reuse(self, seq_id: int, chunks: Sequence[tuple[int, int, int]]) -> None:
+        tokens, cells = self._kv.get(seq_id, []), self._cells.get(seq_id, [])
+        expected = 0
+        for old, new, n in chunks:
+            if new != expected or new > old or old + n > len(tokens):
+                raise ModelError(f"run {(old, new, n)} does not follow the last one or is outside the sequence")
+            expected = new + n
+        self._kv[seq_id] = [token for old, _, n in chunks for token in tokens[old:old + n]]
+        self._cells[seq_id] = [cell for old, _, n in chunks for cell in cells[old:old + n]]
+        self.reuses.append(list(chunks))
 
     def clear(self) -> None:
         self._kv, self._cells = {}, {}

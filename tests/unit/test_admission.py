@@ -24,16 +24,16 @@ def running(prompt, seq_id=0, fed=None, generated=()):
 def test_a_prompt_takes_the_idle_slot_sharing_its_longest_prefix_else_an_empty_one():
     slots = [Slot(0), Slot(1), Slot(2)]
     slots[0].held, slots[1].held = [1, 2, 3], [1, 2, 3, 4, 5]
-    assert pick_slot(slots, [1, 2, 3, 4, 9]) == (slots[1], 4)
-    assert pick_slot(slots, [7, 8, 9]) == (slots[2], 0)  # nothing useful shared: the empty slot, caches kept
-    assert pick_slot(slots, [1, 2, 3, 4, 5]) == (slots[1], 4)  # never the whole prompt: its last token is decoded
+    assert pick_slot(slots, [1, 2, 3, 4, 9]) == (slots[1], 4, [])
+    assert pick_slot(slots, [7, 8, 9]) == (slots[2], 0, [])  # nothing useful shared: the empty slot, caches kept
+    assert pick_slot(slots, [1, 2, 3, 4, 5]) == (slots[1], 4, [])  # never the whole prompt: its last token is decoded
 
 
 def test_a_slot_sharing_too_little_to_be_worth_it_is_taken_whole_keeping_nothing():
     only = Slot(0)
     only.held = [1, 2, 3] + list(range(100, 200))  # a chat template's system prompt, then another document
-    assert pick_slot([only], [1, 2, 3] + list(range(300, 400))) == (only, 0)  # 3 of 103: computed afresh
-    assert pick_slot([only], [1, 2, 3] + list(range(100, 130)) + [7]) == (only, 33)
+    assert pick_slot([only], [1, 2, 3] + list(range(300, 400))) == (only, 0, [])  # 3 of 103: computed afresh
+    assert pick_slot([only], [1, 2, 3] + list(range(100, 130)) + [7]) == (only, 33, [])
 
 
 def test_sequences_with_one_prompt_count_its_cells_once():

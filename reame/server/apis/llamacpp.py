@@ -214,9 +214,12 @@ def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, pr
     response_fields = fields.body.get("response_fields", [])
     if not isinstance(response_fields, list) or not all(isinstance(name, str) for name in response_fields):
         raise fields.bad("response_fields", "a list of field names")
+    # llama-server reuses a cached prompt only with cache_prompt (its default): runs move only then.
+    reuse = fields.integer("n_cache_reuse", app.settings.cache_reuse, 0, None) \
+        if fields.boolean("cache_prompt", True) else 0
     # n_predict 0: the prompt is only evaluated into the cache (llama.vim warms its extra chunks so).
     asked = Asked(prompts, params, Options(n=n_cmpl, seed=params.seed, logprobs=n_probs or None), chat=chat,
-                  streamed=stream, warm=predict == 0)
+                  streamed=stream, warm=predict == 0, cache_reuse=reuse)
     exchange = turn.start(app, handler, served, asked, "prompt")
     settings = generation_settings(params, predict, stream, n_probs, served.name)
     encoded = Completion(exchange, served.name, settings, limits, return_tokens or stream, n_probs,
