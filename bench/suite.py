@@ -76,5 +76,7 @@ SUITE = (
     Bench("soak", "Soak: misbehaving clients against a few slots", (), ("--seconds", "15")),
     Bench("startup", "Start-up: a shell script's one-shot prompt and --serve until ready vs llama.cpp", (),
           ("--reps", "3"), needs=("tools", "pyz")),
+    Bench("completion", "An editing session of llama.vim's /infill requests vs llama-server ± --cache-reuse 256",
+          (), ("--model", "qwen2.5-coder-0.5b", "--lines", "4")),
     Bench("server_tests", "llama.cpp's own server tests: Reame vs llama-server, the same stand-in models", (), ()),
 )

@@ -335,13 +335,18 @@ class Sequences:
     # --- an end --------------------------------------------------------------------------
 
     def finish(self, running: Running, reason: str, message: str = "", code: str = "") -> None:
-        """Answer the request and free its slot, which keeps the KV of a completed answer for reuse."""
+        """Answer the request and free its slot, which keeps the KV of the answer for reuse: a completed one,
+        or, for a request that reuses the cache (llama-server's routes), one its client cut short: an editor
+        plugin's time limit or its next keystroke's request ends every completion early, and the next request
+        shares all of it but the words typed since. Other cancelled requests (a Conclave's outvoted attempts,
+        a client gone) free their cells."""
         now = time.perf_counter()
         running.phase = Phase.FINISHED
         session = running.handle.request.session
-        kept = reason in (FINISH_STOP, FINISH_LENGTH)
-        held = running.held() if kept else []
-        if session is not None and kept:
+        completed = reason in (FINISH_STOP, FINISH_LENGTH)
+        cut_short = reason == FINISH_CANCELLED and running.handle.request.cache_reuse > 0
+        held = running.held() if completed or cut_short else []
+        if session is not None and completed:
             session.state = running.session_state(self.kv.state(running.seq_id))
         tail = "" if reason == FINISH_CANCELLED else running.stream.flush()
         first = running.first_token_at or now
@@ -355,6 +360,9 @@ class Sequences:
         slot = running.slot
         if not held:
             self.kv.remove(slot.seq_id)
+        elif self.kv.length(slot.seq_id) > len(held) and not self.kv.remove(slot.seq_id, len(held)):
+            self.kv.remove(slot.seq_id)
+            held = []
         self.backend.free_sampler(running.sampler)
         Speculation.release(running.draftings)
         # Kept for the next request that shares its prefix; `used` makes it the most recently used.

@@ -47,6 +47,25 @@ def test_llama_vim_warms_its_ring_then_completes_with_its_response_fields(base):
         assert line == "" or line.startswith("    ")  # n_indent: a line indented less ends it
 
 
+def test_a_window_moving_down_a_file_moves_its_kv_instead_of_prefilling_it(base):
+    """Cache reuse on the real library: llama_memory_seq_add moves the lines still in the window."""
+    lines = [f"def step_{i}(state):\n    return state + {i}\n\n" for i in range(120)]
+
+    def ask(first: int) -> dict:
+        return post_json(base, "/infill", {"input_prefix": "".join(lines[first:first + 100]), "input_suffix": "\n",
+                                           "prompt": "def", "n_predict": 8, "temperature": 0})[1]
+
+    def moved() -> float:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in response.read().decode().splitlines()
+                       if line.startswith("reame_kv_tokens_moved_total"))
+    ask(0)
+    before = moved()
+    record = ask(3)
+    assert moved() - before > 300 and record["tokens_cached"] > 300
+    assert record["timings"]["prompt_n"] < 100 and record["content"].strip()
+
+
 def test_the_infill_prompt_uses_the_models_repo_level_tokens(base):
     _, record = post_json(base, "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": RING,
                                              "n_predict": 4, "temperature": 0})

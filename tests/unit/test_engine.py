@@ -132,20 +132,31 @@ def test_without_max_tokens_generation_stops_when_the_context_is_full():
     assert len(result.tokens) == 48 - 5
 
 
-def test_cancel_stops_generation_and_frees_the_kv():
+@pytest.mark.parametrize("reuse", [0, 64])
+def test_cancel_stops_generation_and_keeps_the_kv_for_the_next_request_where_the_cache_is_reused(reuse):
+    """An editor plugin cuts its completion short (a time limit, the next keystroke): its next request shares
+    the whole prompt, so the slot keeps what was decoded, as after a completed answer, where the request
+    reuses the cache (llama-server's routes); elsewhere a cancelled request frees its cells."""
     gate = threading.Event()
     backend = FakeBackend(rule=gated_rule(gate))
+    prompt = "a question that is long enough to be worth keeping"
     with Engine(backend) as engine:
-        handle = engine.submit(GenerationRequest("q", SamplingParams(temperature=0, max_tokens=400)))
+        handle = engine.submit(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=400),
+                                                 cache_reuse=reuse))
         events = handle.events(timeout_s=5)
         gate.set()
-        next(events)
+        said = [next(events).token]
         handle.cancel()
-        for _ in events:
-            pass
+        said += [event.token for event in events if isinstance(event, TokenEvent)]
+        held = backend.kv_tokens(0)
+        again = engine.generate(GenerationRequest(prompt + " again", SamplingParams(temperature=0, max_tokens=2)))
     assert handle.finish.reason == "cancelled"
     assert handle.finish.usage.completion_tokens < 400
-    assert backend.kv_tokens(0) == []
+    if not reuse:
+        assert held == [] and again.finish.usage.cached_tokens == 0
+        return
+    assert held == (backend.tokenize(prompt) + said)[:len(held)] and len(held) >= len(backend.tokenize(prompt))
+    assert again.finish.usage.cached_tokens == len(backend.tokenize(prompt))
 
 
 def test_cancelled_before_admission_never_runs():

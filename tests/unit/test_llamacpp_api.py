@@ -152,6 +152,25 @@ def test_infill_completes_between_prefix_and_suffix_as_an_editor_asks():
     assert "<|file_sep|>m.py\nimport os\n" in record["prompt"]
 
 
+def test_an_editors_window_moving_down_reuses_the_slots_lines_by_default_and_not_without_cache_prompt():
+    lines = [f"value_{i} = value_{i - 1} + {i}\n" for i in range(40)]
+    engine, app = serving(fim_backend("return a + b\n", n_batch=512))  # the prefix's last 384 tokens
+
+    def ask(first: int, **fields) -> dict:
+        return whole(app, "/infill", {"input_prefix": "".join(lines[first:first + 30]), "input_suffix": "\n",
+                                      "temperature": 0, "n_predict": 16, **fields})
+    with engine:
+        ask(0)
+        moved = ask(2)  # two lines left the window at its top, one came in at its bottom
+        # Of the prefix's last 384 tokens, all but the two new lines' (about 50) moved.
+        assert engine.backend.reuses and moved["tokens_cached"] > 384 - 2 * 25
+        assert moved["content"] == ask(2, cache_prompt=False)["content"] == "return a + b\n"
+        count = len(engine.backend.reuses)
+        ask(4, cache_prompt=False)
+        ask(6, n_cache_reuse=0)
+        assert len(engine.backend.reuses) == count  # neither asked for it
+
+
 def test_n_indent_cuts_before_a_line_indented_less():
     engine, app = serving(fim_backend("x = 1\n    y = 2\n  z\nw"))
     with engine:
@@ -187,6 +206,8 @@ def test_infill_refusals_in_llama_servers_shape(app):
     ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}, "grammar"),
     ({"prompt": "x", "response_fields": "content"}, "response_fields"),
     ({"prompt": "x", "n_predict": -2}, "n_predict"),
+    ({"prompt": "x", "n_cache_reuse": -1}, "n_cache_reuse"),
+    ({"prompt": "x", "n_cache_reuse": "64"}, "n_cache_reuse"),
 ])
 def test_bad_completion_fields_are_a_400_naming_them(app, body, param):
     error = refused(app, "/completion", body)
