@@ -203,8 +203,10 @@ def ask(port: int, request: dict) -> Answer:
         final = json.loads(response.read())
     whole = time.perf_counter() - started
     connection.close()
+    # llama-server applies response_fields to its final streamed record too ("timings/prompt_n"); Reame does not.
+    prompt_n = final.get("timings", {}).get("prompt_n", final.get("timings/prompt_n", 0))
     return Answer("".join(pieces), (first - started) if first else whole, whole, final.get("tokens_cached", 0),
-                  final.get("timings", {}).get("prompt_n", 0))
+                  prompt_n)
 
 
 def cpu_ticks(pid: int) -> int:
