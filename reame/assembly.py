@@ -1,4 +1,5 @@
-"""Typed settings -> the running parts: model file, backend, engine, prefix cache, speculation, server.
+"""Typed settings -> the running parts: engine, prefix cache, speculation, semantic caches (the model file and
+autoconfig's plan are model_choice.py's; the exact answer cache's tiers, answers.py's).
 
 The one place that knows how the parts fit together, so the CLI only parses
 arguments and prints, and each part only takes what it needs.
@@ -9,22 +10,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
-from reame import autoconfig, catalog, fetch
-from reame.answers import AnswerCache, SharedAnswers
 from reame.cache import PrefixCache
-from reame.cache.answers import AnswerTier, DiskAnswers, RamAnswers
 from reame.engine import Engine
 from reame.ctypes_llama._lib import loaded_libraries
-from reame.model.backend import ModelSettings
 from reame.model.batch_numerics import exact_batch_rows
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
-from reame.errors import ConfigError, ModelFileError, ReameError
+from reame.model_choice import progress_stream, resolve_model
+from reame.errors import ReameError
 from reame.native import NativeLibraries, cpu_identity
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
@@ -33,49 +29,12 @@ from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
 from reame.speculative.suggeritore import Suggeritore
 
 if TYPE_CHECKING:
-    from reame.arca.client import StoreCommands
     from reame.embedder import ModelEmbedder
     from reame.semantic import SemanticCache
 
 log = logging.getLogger("reame")
 
-Plan = dict[str, autoconfig.Choice]
 SERVED_EMBEDDINGS = "served"  # cache.semantic_model: the served model embeds questions itself
-
-
-def resolve_model(name: str, progress: TextIO | None = None) -> tuple[Path, catalog.ModelEntry | None]:
-    """A catalog name (fetched on first use) or an existing file."""
-    if not name:
-        raise ConfigError("no model given: name one (see `reame list`) or set model.path in the config file")
-    entry = catalog.resolve(name)
-    if entry is not None:
-        return fetch.ensure_model(entry, progress=progress), entry
-    path = Path(name).expanduser()
-    if path.is_file():
-        return path, catalog.by_filename(path.name)
-    if path.exists():
-        raise ModelFileError(f"model path is not a file: {name}")
-    hint = ", ".join(catalog.suggestions(name))
-    raise ConfigError(f"unknown model '{name}' and no such file (relative paths start from the working "
-                      f"directory); catalog names: {hint}")
-
-
-def plan(settings: Settings, path: Path, entry: catalog.ModelEntry | None) -> Plan:
-    """What autoconfig chooses for the settings left at 0/auto, for this host and model (with reasons)."""
-    model = settings.model
-    return autoconfig.choose(
-        path, autoconfig.probe_host(), threads=model.threads, context=model.context_length,
-        kv_type=settings.memory.kv_cache_type, batch=model.batch, ubatch=model.ubatch,
-        preferred_context=entry.default_ctx if entry else 0, parallel=settings.server.parallel)
-
-
-def model_settings(path: Path, settings: Settings, chosen: Plan, n_seq: int = 1) -> ModelSettings:
-    return ModelSettings(
-        str(path), n_ctx=chosen["model.context_length"].value, n_threads=chosen["model.threads"].value,
-        n_seq_max=n_seq, n_batch=chosen["model.batch"].value, n_ubatch=chosen["model.ubatch"].value,
-        kv_type=chosen["memory.kv_cache_type"].value, use_mmap=settings.memory.use_mmap,
-        use_mlock=settings.memory.use_mlock, chat_template=settings.model.chat_template,
-        embedding_ctx=settings.embeddings.context_length, embedding_pooling=settings.embeddings.pooling)
 
 
 def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False) -> Engine:
@@ -110,8 +69,10 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
                                 lambda: vocabulary_hash(backend.token_piece, backend.n_vocab).hex(), digest_bytes)
         palimpsest = Palimpsest(options.palimpsest_directory, vocabulary, options.palimpsest_budget_bytes)
         if serving and settings.arca.remote:
-            from reame.speculative.corpus import Corpus  # only a node with a store loads the store's client
-            palimpsest.attach(Corpus(lambda: shared_store(settings), vocabulary, palimpsest))
+            from reame.arca.stores import shared_store  # only a node with a store loads the store's client
+            from reame.speculative.corpus import Corpus
+            palimpsest.attach(Corpus(lambda: shared_store(settings.arca.remote, settings.arca.secret), vocabulary,
+                                     palimpsest))
         sources.append(palimpsest)
     if options.lookup:
         sources.append(PromptLookup(options.lookup_max_ngram, options.lookup_min_ngram))
@@ -182,11 +143,13 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
         return None
     remote = None
     if settings.arca.remote and options.remote:
-        from reame.cache.remote import RemoteKV  # only a node with a store loads the store's client
-        remote = RemoteKV(lambda: shared_store(settings), fingerprint,
+        from reame.arca.stores import shared_store, store_description  # only a node with a store loads them
+        from reame.cache.remote import RemoteKV
+        remote = RemoteKV(lambda: shared_store(settings.arca.remote, settings.arca.secret), fingerprint,
                           options.remote_timeout_s, options.remote_publish_bytes, options.remote_ttl_ms,
                           options.compress)
-        log.info("KV snapshots are shared through %s", store_description(settings))
+        log.info("KV snapshots are shared through %s",
+                 store_description(settings.arca.remote, settings.arca.secret))
     try:
         return PrefixCache(fingerprint, options.directory, disk_budget_bytes=options.disk_budget_bytes,
                            ram_budget_bytes=options.ram_budget_bytes, block_tokens=options.block_tokens,
@@ -199,34 +162,6 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
         return None
 
 
-def answer_cache(settings: Settings, fingerprint: bytes, ram: bool) -> AnswerCache | None:
-    """The exact answer cache of one model (see answer_tiers); None when cache.answers is off."""
-    tiers = answer_tiers(settings, ram)
-    return AnswerCache(tiers, fingerprint) if tiers else None
-
-
-def answer_tiers(settings: Settings, ram: bool) -> list[AnswerTier]:
-    """Where exact answers are kept: RAM (`ram`: a server's, not a one-shot prompt's), then this machine's disk,
-    then the store `arca.remote` names (ARCA or a real Redis) if any; none when cache.answers is off. The
-    models of one server share them (their keys hold each model's fingerprint) and so their budgets."""
-    options = settings.answers
-    if not options.enabled:
-        log.info("exact answers are not kept (cache.answers = false)")
-        return []
-    tiers: list[AnswerTier] = [RamAnswers(options.ram_budget_bytes)] if ram and options.ram_budget_bytes else []
-    if options.disk_budget_bytes:
-        try:
-            tiers.append(DiskAnswers(options.directory, options.disk_budget_bytes))
-        except OSError as error:
-            log.warning("exact answers are not kept on disk: cannot use %s (%s); set cache.answers_dir to a "
-                        "writable directory", options.directory, error.strerror)
-    if settings.arca.remote:
-        store = shared_store(settings)
-        log.info("exact answers are shared through %s", store_description(settings))
-        tiers.append(SharedAnswers(store, settings.arca.answer_ttl_ms))
-    return tiers
-
-
 def semantic_caches(settings: Settings, fingerprints: list[bytes],
                     answers_kept: bool) -> tuple[list[SemanticCache | None], ModelEmbedder | None]:
     """Each model's semantic answer cache (one per fingerprint) if cache.semantic is on, and the one embedding
@@ -237,7 +172,8 @@ def semantic_caches(settings: Settings, fingerprints: list[bytes],
     none: list[SemanticCache | None] = [None] * len(fingerprints)
     if not options.enabled:
         return none, None
-    from reame.semantic import SemanticCache, SemanticIndex  # only a server with the cache on loads it
+    from reame.arca.stores import shared_store  # only a server with the cache on loads them
+    from reame.semantic import SemanticCache, SemanticIndex
     if not answers_kept:
         log.warning("the semantic cache is off: it keeps its answers in the exact answer cache, which is off")
         return none, None
@@ -255,30 +191,8 @@ def semantic_caches(settings: Settings, fingerprints: list[bytes],
     log.info("semantic cache: questions within cosine %.2f of an answered one, embedded by %s%s",
              options.threshold, options.model, ", shared through the store" if settings.arca.remote else "")
     return [SemanticCache(SemanticIndex(fingerprint, embedder.identity if embedder else fingerprint.hex(),
-                                        options.threshold, shared_store(settings) if settings.arca.remote else None,
+                                        options.threshold,
+                                        shared_store(settings.arca.remote, settings.arca.secret)
+                                        if settings.arca.remote else None,
                                         settings.arca.answer_ttl_ms), embedder)
             for fingerprint in fingerprints], embedder
-
-
-def shared_store(settings: Settings) -> StoreCommands:
-    """A new client of the store `arca.remote` names (each user of the store has its own connection), its
-    values sealed with `arca.secret` when there is one."""
-    from reame.arca.stores import connect, parse_remote  # only a node with a store loads its client
-    store = connect(parse_remote(settings.arca.remote))
-    if not settings.arca.secret:
-        return store
-    from reame.arca.sealed import SealedStore
-    return SealedStore(store, settings.arca.secret.encode())
-
-
-def store_description(settings: Settings) -> str:
-    from reame.arca.stores import describe, parse_remote
-    sealed = "sealed with arca.secret" if settings.arca.secret else \
-        "unsealed: whoever can write to it decides what this node serves from it (arca.secret)"
-    return f"{describe(parse_remote(settings.arca.remote))}, {sealed}"
-
-
-def progress_stream() -> TextIO | None:
-    """stderr for a download progress bar when it is a terminal and logs are on; else None."""
-    quiet = logging.getLogger("reame").level > logging.INFO
-    return sys.stderr if sys.stderr.isatty() and not quiet else None

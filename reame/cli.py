@@ -3,7 +3,8 @@
 Answers go to stdout, logs and the stats line to stderr. Exit codes: 0 success,
 2 usage or bad input, 1 runtime failure. A user error is one line, never a
 traceback. A command imports what only it uses inside its function, so that a
-one-shot prompt never pays for the HTTP server, ARCA or the grammar compilers
+one-shot prompt never pays for the HTTP server, ARCA or the grammar compilers, and
+one answered from the exact answer cache not for libllama or the engine either
 (tests/integration/test_startup.py lists what a one-shot run may import).
 """
 
@@ -18,17 +19,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from reame import assembly, catalog, config, fetch
-from reame.answers import AnswerCache
-from reame.chat import Conversation, line_reader, repl, stream_answer
-from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams
-from reame.engine.prompt import prompt_tokens
-from reame.model.backend import usable_cores
-from reame.model.llama import LlamaBackend
-from reame.conclave import convene
-from reame.errors import ConfigError, FetchError, ModelError, ModelFileError, ReameError, RequestError
+from reame import catalog, config, fetch, model_choice, oneshot
+from reame.autoconfig import Choice
+from reame.errors import ConfigError, FetchError, ModelFileError, ReameError, RequestError
 from reame.cli_flags import build_parser, hints
-from reame.quantize import requantize
+from reame.model.backend import ModelSettings
+from reame.oneshot import OneShot, Startup
 from reame.settings import Settings, from_values
 
 log = logging.getLogger("reame")
@@ -36,24 +32,6 @@ log = logging.getLogger("reame")
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 USER_ERRORS = (ConfigError, RequestError, FetchError, ModelFileError)
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
-
-
-class Startup:
-    """Where a one-shot run's start goes, phase by phase, logged at debug level (bench/startup.py reads
-    it): a shell script waits for all of it before it sees the answer."""
-
-    def __init__(self, began: float) -> None:
-        self.marks = [("", began)]
-
-    def mark(self, phase: str) -> None:
-        self.marks.append((phase, time.perf_counter()))
-
-    def line(self) -> str:
-        """The phases, then when the first began on the system's monotonic clock (time.perf_counter), so
-        that a parent process can tell the interpreter's start before it and the exit after the last."""
-        phases = ", ".join(f"{phase} {(at - before) * 1000:.0f} ms"
-                           for (_, before), (phase, at) in zip(self.marks, self.marks[1:]))
-        return f"startup: {phases} (began at {self.marks[0][1]:.6f})"
 
 
 def configure_logging(level: int) -> None:
@@ -92,7 +70,7 @@ def load_settings(args: argparse.Namespace, choice: config.ConfigChoice | None =
     return from_values(values)
 
 
-def print_config(settings: Settings, chosen: assembly.Plan) -> None:
+def print_config(settings: Settings, chosen: model_choice.Plan) -> None:
     for name, value, origin in settings.origins:
         if name not in chosen:
             print(f"{name} = {value!s}  # {origin}")
@@ -123,40 +101,57 @@ def command_run(args: argparse.Namespace, settings: Settings, startup: Startup) 
     grammar = answer_grammar(args)
     if grammar is not None:
         settings = dataclasses.replace(settings, generation=dataclasses.replace(settings.generation, grammar=grammar))
-    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
-    chosen = assembly.plan(settings, path, entry)
+    path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
+    chosen = model_choice.plan(settings, path, entry)
     startup.mark("model found and planned")
+    best_of = getattr(args, "best_of", None) or 1
+    one_shot = OneShot(prompt, args.system, args.raw, best_of, args.quiet) if prompt is not None else None
     if args.print_config:
+        if one_shot is not None and oneshot.sized(settings, one_shot):
+            chosen["model.context_length"] = one_shot_context(one_shot, settings, path, chosen)
         print_config(settings, chosen)
         return EXIT_OK
-    best_of = getattr(args, "best_of", None) or 1
     if args.serve:
         if best_of > 1:
             raise ConfigError("--best-of elects one answer here; API clients ask for it per request (best_of)")
         from reame.node import serve_model
         return serve_model(settings, path, entry, chosen)
-    if best_of > 1 and prompt is None:
+    model = model_choice.model_settings(path, settings, chosen, n_seq=best_of)
+    if one_shot is not None:
+        return answer_one_shot(one_shot, settings, model, startup)
+    if best_of > 1:
         raise ConfigError("--best-of elects one answer: give a prompt")
-    log.info("loading %s (%s threads, context %s, %s KV)", path.name, chosen["model.threads"].value,
-             chosen["model.context_length"].value, chosen["memory.kv_cache_type"].value)
-    backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))
-    startup.mark("model loaded")
-    with assembly.new_engine(backend, settings) as engine:
-        startup.mark("engine ready")
-        templated = engine.backend.has_chat_template and not args.raw
-        if prompt is None:
-            conversation = Conversation(engine, settings.generation, system=args.system)
-            return repl(conversation, line_reader(), title=entry.name if entry else path.name)
-        if templated:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                [{"role": "user", "content": prompt}]
-            prompt = engine.chat_prompt(messages)
-        answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False) if best_of == 1 else None
-        status = answer_once(engine, prompt, settings.generation, args.quiet, best_of, answers,
-                             "chat" if templated else "completion")
-        startup.mark("answered")
-        log.debug("%s", startup.line())
-        return status
+    from reame import assembly
+    from reame.chat import Conversation, line_reader, repl
+    from reame.model.llama import LlamaBackend
+    log.info("loading %s (%s threads, context %s, %s KV)", path.name, model.n_threads, model.n_ctx, model.kv_type)
+    with assembly.new_engine(LlamaBackend(model), settings) as engine:
+        conversation = Conversation(engine, settings.generation, system=args.system)
+        return repl(conversation, line_reader(), title=entry.name if entry else path.name)
+
+
+def answer_one_shot(one_shot: OneShot, settings: Settings, model: ModelSettings, startup: Startup) -> int:
+    """`one_shot` answered by libllama's model and engine, through the exact answer cache when it is on."""
+    from reame.answers import answer_cache
+    answers = answer_cache(settings, model.kv_fingerprint(), ram=False)
+    status = oneshot.answer(one_shot, settings, model, startup, answers, oneshot.libllama(settings))
+    log.debug("%s", startup.line())
+    return status
+
+
+def one_shot_context(one_shot: OneShot, settings: Settings, path: Path, chosen: model_choice.Plan) -> Choice:
+    """The context `one_shot` gets, for --print-config: its prompt is tokenized (the vocabulary only)."""
+    from reame.engine import GenerationRequest
+    from reame.engine.prompt import prompt_tokens
+    from reame.model.loaded_model import LoadedModel
+    with LoadedModel(model_choice.model_settings(path, settings, chosen)) as loaded:
+        prompt = one_shot.prompt
+        if loaded.has_chat_template and not one_shot.raw:
+            prompt = loaded.apply_chat_template(
+                ([{"role": "system", "content": one_shot.system}] if one_shot.system else []) +
+                [{"role": "user", "content": prompt}])
+        tokens = prompt_tokens(loaded, GenerationRequest(prompt, settings.generation))
+    return oneshot.context_choice(chosen["model.context_length"], len(tokens), settings.generation.max_tokens)
 
 
 def answer_grammar(args: argparse.Namespace) -> str | None:
@@ -180,63 +175,6 @@ def answer_grammar(args: argparse.Namespace) -> str | None:
         raise ConfigError(str(error)) from None
 
 
-def answer_once(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int = 1,
-                answers: AnswerCache | None = None, shape: str = "completion") -> int:
-    """One answer on stdout. A deterministic one (greedy, or seeded as by default) is looked up in the
-    exact answer cache `answers` first and kept there after; `shape` is what the server would call the
-    request ("chat" for a templated prompt, "completion" for a raw one), so their keys agree."""
-    if best_of > 1:
-        return elect_answer(engine, prompt, params, quiet, best_of)
-    key = None
-    if answers is not None and answers.deterministic(params):
-        key = answers.key(prompt_tokens(engine.backend, GenerationRequest(prompt, params)), params, shape)
-        cached = answers.get(key)
-        if cached is not None:
-            print(cached.text)
-            if not quiet:
-                print(f"answered from the exact answer cache: {cached.completion_tokens} tokens, "
-                      f"finish {cached.finish_reason}", file=sys.stderr)
-            return EXIT_OK
-    text, finish = stream_answer(engine, prompt, params, sys.stdout, sys.stderr)
-    if finish.reason == "error":
-        raise ModelError(finish.message)
-    if key is not None and answers is not None:
-        answers.put(key, text, finish)
-    if not quiet:
-        print(stats_line(finish), file=sys.stderr)
-    return EXIT_OK
-
-
-def elect_answer(engine: Engine, prompt: str, params: SamplingParams, quiet: bool, best_of: int) -> int:
-    """The Conclave: the elected answer on stdout, `CONCLAVE consensus=k/N` on stderr (even with
-    --quiet: a script escalates on it)."""
-    outcome = convene(engine, GenerationRequest(prompt, params), best_of)
-    errors = [c.finish.message for c in outcome.completions if c.finish.reason == "error"]
-    if errors:
-        raise ModelError(errors[0])
-    winner = outcome.winner
-    print(winner.text)
-    verdict = outcome.verdict
-    if not quiet:
-        answers = ", ".join(f"{c.key!r}" if c.key is not None else c.finish_reason for c in verdict.candidates)
-        log.info("attempt %d elected%s; answers: %s", verdict.winner,
-                 " early, the others stopped" if verdict.early else "", answers)
-        print(stats_line(winner.finish), file=sys.stderr)
-    print(f"CONCLAVE consensus={verdict.consensus}/{verdict.n}", file=sys.stderr)
-    return EXIT_OK
-
-
-def stats_line(finish: FinishEvent) -> str:
-    usage = finish.usage
-    note = f" ({finish.message})" if finish.message else ""
-    cached = f" ({usage.cached_tokens} from cache)" if usage.cached_tokens else ""
-    drafts = f" ({usage.accepted_draft_tokens}/{usage.draft_tokens} drafts accepted, " \
-        f"{usage.tokens_per_step:.2f} tokens per step)" if usage.draft_tokens else ""
-    return (f"prompt {usage.prompt_tokens} tokens{cached}, {usage.prompt_tokens_per_second:.1f} tok/s · "
-            f"generated {usage.completion_tokens} tokens{drafts}, {usage.decode_tokens_per_second:.1f} tok/s · "
-            f"finish {finish.reason}{note}")
-
-
 def command_config_mode(args: argparse.Namespace, settings: Settings, choice: config.ConfigChoice) -> int:
     """The original's config mode: `--serve`, `--prompt TEXT` (raw, no chat template) or `--print-config`
     with the config file `choice`; without a config file, the catalog's default model, as `reame run`
@@ -248,8 +186,8 @@ def command_config_mode(args: argparse.Namespace, settings: Settings, choice: co
     if ("model.path", catalog.DEFAULT_MODEL, DEFAULT_MODEL_ORIGIN) in settings.origins:
         log.info("no config names a model: the catalog's default, %s, as `reame run %s%s` would",
                  catalog.DEFAULT_MODEL, catalog.DEFAULT_MODEL, " --serve" if args.serve else "")
-    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
-    chosen = assembly.plan(settings, path, entry)
+    path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
+    chosen = model_choice.plan(settings, path, entry)
     if args.print_config:
         print(f"# config file: {choice.path or 'none'} ({choice.why})")
         print_config(settings, chosen)
@@ -257,22 +195,22 @@ def command_config_mode(args: argparse.Namespace, settings: Settings, choice: co
     if args.serve:
         from reame.node import serve_model
         return serve_model(settings, path, entry, chosen)
-    best_of = args.best_of or 1
-    backend = LlamaBackend(assembly.model_settings(path, settings, chosen, n_seq=best_of))
-    answers = assembly.answer_cache(settings, backend.kv_fingerprint(), ram=False) if best_of == 1 else None
-    with assembly.new_engine(backend, settings) as engine:
-        return answer_once(engine, args.prompt, settings.generation, args.quiet, best_of, answers)
+    model = model_choice.model_settings(path, settings, chosen, n_seq=args.best_of or 1)
+    return answer_one_shot(OneShot(args.prompt, raw=True, best_of=args.best_of or 1, quiet=args.quiet), settings, model,
+                           Startup(time.perf_counter()))
 
 
 def command_warm(args: argparse.Namespace, settings: Settings) -> int:
     """Prefill each file into the prefix cache; one line (or JSON object) per file on stdout."""
-    import json
+    from reame import assembly
+    from reame.engine import GenerationRequest
+    from reame.model.llama import LlamaBackend
     if not settings.cache.enabled:
         raise ConfigError("the prefix cache is off (cache.enabled = false): warming would keep nothing")
     texts = [(name, read_stdin_prompt() if name == "-" else read_text_file(name)) for name in args.files]
-    path, entry = assembly.resolve_model(settings.model.path, assembly.progress_stream())
-    chosen = assembly.plan(settings, path, entry)
-    with assembly.new_engine(LlamaBackend(assembly.model_settings(path, settings, chosen)), settings,
+    path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
+    chosen = model_choice.plan(settings, path, entry)
+    with assembly.new_engine(LlamaBackend(model_choice.model_settings(path, settings, chosen)), settings,
                              speculate=False) as engine:
         for name, text in texts:
             prompt = text
@@ -350,9 +288,11 @@ def command_pull(args: argparse.Namespace) -> int:
     entry = catalog.resolve(args.model)
     if entry is None:
         raise ConfigError(f"unknown model '{args.model}'; catalog names: {', '.join(catalog.suggestions(args.model))}")
-    path = fetch.ensure_model(entry, progress=assembly.progress_stream())
+    path = fetch.ensure_model(entry, progress=model_choice.progress_stream())
     if args.quantize:
         log.info("requantizing %s to %s…", path.name, args.quantize)
+        from reame.model.backend import usable_cores
+        from reame.quantize import requantize
         path = requantize(path, args.quantize, usable_cores())
     print(path)
     return EXIT_OK

@@ -7,7 +7,6 @@ import argparse
 from typing import Any
 
 from reame import __version__, catalog
-from reame.conclave import MAX_ATTEMPTS
 from reame.errors import ReameError
 from reame.native import LLAMA_COMMIT
 from reame.quantize import QUANT_TYPES
@@ -61,6 +60,7 @@ def add_common_flags(parser: argparse.ArgumentParser, default: Any = None) -> No
 
 
 def attempt_count(text: str) -> int:
+    from reame.conclave import MAX_ATTEMPTS  # the Conclave imports the engine: only when --best-of is given
     value = positive_int(text)
     if value > MAX_ATTEMPTS:
         raise argparse.ArgumentTypeError(f"at most {MAX_ATTEMPTS} attempts, got {value}")

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TypedDict, cast
 
 from reame import autoconfig, catalog, gguf
-from reame.assembly import (Plan, answer_tiers, model_settings, new_engine, plan, resolve_model, progress_stream,
-                            semantic_caches)
-from reame.answers import AnswerCache
+from reame.assembly import new_engine, semantic_caches
+from reame.answers import AnswerCache, answer_tiers
+from reame.model_choice import Plan, model_settings, plan, progress_stream, resolve_model
 from reame.engine import Engine
 from reame.errors import ConfigError
 from reame.model.backend import ModelSettings

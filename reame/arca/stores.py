@@ -42,3 +42,19 @@ def describe(address: StoreAddress | ClusterAddress) -> str:
     if isinstance(address, ClusterAddress):
         return "the Redis Cluster at " + ",".join(f"{host}:{port}" for host, port in address.seeds)
     return f"the store at {address.host}:{address.port}"
+
+
+def shared_store(remote: str, secret: str) -> StoreCommands:
+    """A new client of the store `remote` (arca.remote) names (each user of the store has its own connection),
+    its values sealed with `secret` (arca.secret) when there is one."""
+    store = connect(parse_remote(remote))
+    if not secret:
+        return store
+    from reame.arca.sealed import SealedStore
+    return SealedStore(store, secret.encode())
+
+
+def store_description(remote: str, secret: str) -> str:
+    sealed = "sealed with arca.secret" if secret else \
+        "unsealed: whoever can write to it decides what this node serves from it (arca.secret)"
+    return f"{describe(parse_remote(remote))}, {sealed}"

@@ -77,8 +77,8 @@ class RamAnswers:
 
 
 class DiskAnswers:
-    """Answer files in `directory`, at most `budget_bytes` of them (checked after every eighth of the
-    budget written by this process, and at start). Thread-safe; several processes may share the directory."""
+    """Answer files in `directory`, at most `budget_bytes` of them (checked before this process's first write
+    and after every eighth of the budget it wrote). Thread-safe; several processes may share the directory."""
 
     def __init__(self, directory: Path, budget_bytes: int) -> None:
         self.directory = private_directory(directory)
@@ -86,9 +86,17 @@ class DiskAnswers:
         self._written = 0  # bytes written since the budget was last enforced
         self._written_lock = threading.Lock()
         self._refused = False  # the last write failed (full or read-only disk): said once
-        with FileLock(directory / LOCK_NAME):
-            remove_abandoned_writes(directory)
-            enforce_budget(directory, SUFFIX, budget_bytes)
+        self._tidied = False  # abandoned writes removed and the budget enforced, before this process's first write
+
+    def _tidy(self) -> None:
+        """Left to the first write: a process that only reads (a one-shot answered from here) scans nothing."""
+        self._tidied = True
+        try:
+            with FileLock(self.directory / LOCK_NAME):
+                remove_abandoned_writes(self.directory)
+                enforce_budget(self.directory, SUFFIX, self.budget_bytes)
+        except OSError:
+            pass
 
     def path(self, key: bytes) -> Path | None:
         """The file of `key` (its digest part), or None for a key that cannot name a file of ours."""
@@ -119,6 +127,8 @@ class DiskAnswers:
         path = self.path(key)
         if path is None or len(value) > MAX_VALUE_BYTES or len(value) + TRAILER.size > self.budget_bytes:
             return False
+        if not self._tidied:
+            self._tidy()
         try:
             write_atomically(path, [value], durable=False)
         except OSError as error:

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from reame.engine.request import GenerationRequest
 from reame.errors import RequestError
-from reame.model.backend import Backend
+from reame.model.backend import Backend, Vocabulary
 
 
-def prompt_tokens(backend: Backend, request: GenerationRequest) -> list[int]:
+def prompt_tokens(backend: Vocabulary, request: GenerationRequest) -> list[int]:
     """Text tokenized with BOS (never twice), a fill-in-the-middle prompt built from the model's FIM tokens,
     or token ids checked against the vocabulary."""
     if request.suffix is not None:
@@ -26,7 +26,7 @@ def prompt_tokens(backend: Backend, request: GenerationRequest) -> list[int]:
     return checked_tokens(backend, request.prompt)
 
 
-def checked_tokens(backend: Backend, tokens: Sequence[int]) -> list[int]:
+def checked_tokens(backend: Vocabulary, tokens: Sequence[int]) -> list[int]:
     for token in tokens:
         if not 0 <= token < backend.n_vocab:
             raise RequestError(f"token id {token} is outside the vocabulary (0..{backend.n_vocab - 1})",
@@ -34,7 +34,7 @@ def checked_tokens(backend: Backend, tokens: Sequence[int]) -> list[int]:
     return list(tokens)
 
 
-def fill_in_the_middle(backend: Backend, prefix: str | Sequence[int], suffix: str) -> list[int]:
+def fill_in_the_middle(backend: Vocabulary, prefix: str | Sequence[int], suffix: str) -> list[int]:
     """Prefix-suffix-middle tokens, as code editors send `prompt` + `suffix`: the model writes the middle.
     User text is tokenized without parsing special tokens, so it cannot forge FIM markers."""
     fim = backend.fim_tokens()

@@ -44,19 +44,14 @@ DECODE_OK = 0
 DECODE_NO_KV_SLOT = 1  # llama_decode: no room in the KV cache for this batch
 
 
-class Backend(Protocol):
+class Vocabulary(Protocol):
+    """What a model file says before any context is made (LoadedModel): enough to render and tokenize a prompt."""
+
     n_vocab: int
-    n_ctx: int  # the whole KV cache, in tokens
-    n_ctx_seq: int  # what one sequence may use
-    n_seq_max: int
-    n_batch: int  # most tokens one decode() call takes
     bos_token: int
     eos_token: int
     add_bos: bool  # the model wants BOS in front of a prompt
     has_chat_template: bool
-    sliding_window: int  # tokens a sliding-window layer attends to (0: the model has none)
-    supports_rollback: bool  # seq_rm can drop a sequence's last positions (not a recurrent model's)
-    can_shift: bool  # its memory can move cells to other positions (seq_reuse)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
     def token_piece(self, token: int) -> bytes: ...
@@ -83,6 +78,16 @@ class Backend(Protocol):
     def fim_repo_tokens(self) -> tuple[int, int]:
         """(repository, file separator) tokens of repo-level fill-in-the-middle, -1 where the model has none."""
         ...
+
+
+class Backend(Vocabulary, Protocol):
+    n_ctx: int  # the whole KV cache, in tokens
+    n_ctx_seq: int  # what one sequence may use
+    n_seq_max: int
+    n_batch: int  # most tokens one decode() call takes
+    sliding_window: int  # tokens a sliding-window layer attends to (0: the model has none)
+    supports_rollback: bool  # seq_rm can drop a sequence's last positions (not a recurrent model's)
+    can_shift: bool  # its memory can move cells to other positions (seq_reuse)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:

@@ -325,6 +325,10 @@ class FakeBackend:
         return self.has_chat_template and self._template.supports_tools
 
     @property
+    def template_reads_clock(self) -> bool:
+        return self.has_chat_template and "strftime_now" in self._template.source
+
+    @property
     def template_thinks(self) -> tuple[bool, bool]:
         return (self._template.thinks, self._template.thinking_switch) if self.has_chat_template else (False, False)
 

@@ -4,7 +4,7 @@ its names (a model listed twice is one model), its memory estimate, and names tw
 import pytest
 
 from reame import config
-from reame.assembly import plan
+from reame.model_choice import plan
 from reame.errors import ConfigError
 from reame.node import Planned, file_facts, memory_estimate, names_of, planned_model, with_others
 from reame.settings import from_values

@@ -18,8 +18,8 @@ reame.engine.embeddings
 reame.engine.kv reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences
 reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
 reame.model.backend reame.model.batch_numerics reame.model.chat_template reame.model.embedding
-reame.model.fingerprint reame.model.library reame.model.llama reame.model.sampler_chain reame.model.sampling
-reame.native reame.quantize reame.settings
+reame.model.fingerprint reame.model.library reame.model.llama reame.model.loaded_model reame.model.sampler_chain
+reame.model.sampling reame.model_choice reame.native reame.oneshot reame.quantize reame.settings
 reame.speculative reame.speculative.archive reame.speculative.controller reame.speculative.draft_model
 reame.speculative.lookup reame.speculative.palimpsest reame.speculative.source reame.speculative.speculation
 reame.speculative.suggeritore reame.structured reame.structured.gbnf reame.structured.grammar
@@ -51,6 +51,17 @@ def test_a_one_shot_prompt_imports_only_what_it_uses(smollm2_path):
     assert "reame.cli" in ours and "reame.model.llama" in ours
     assert sorted(name for name in modules if name.startswith(NOT_FOR_ONE_SHOT)) == []
     assert "jinja2" in modules  # the model's own chat template is rendered
+
+
+def test_a_repeated_prompt_answered_from_the_cache_imports_neither_libllama_nor_the_engine(smollm2_path, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("REAME_CACHE_ANSWERS_DIR", str(tmp_path / "answers"))
+    args = ("run", str(smollm2_path), "Name a color.", "--max-tokens", "4", "--temp", "0", "-q")
+    imported_by(*args)
+    modules = imported_by(*args)
+    assert not {name for name in modules if name.startswith(("reame.engine", "reame.model.llama", "reame.speculative",
+                                                             "reame.model.loaded_model", "reame.ctypes_llama.api",
+                                                             "reame.conclave", "jinja2"))}
 
 
 def test_a_raw_prompt_does_not_import_jinja2(smollm2_path):

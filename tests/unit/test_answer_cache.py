@@ -221,30 +221,6 @@ def test_without_the_cache_the_header_says_off():
         engine.close()
 
 
-def test_a_one_shot_prompt_is_answered_from_disk_the_second_time_without_the_engine(tmp_path, capsys):
-    """`reame run MODEL "prompt"` and config mode's --prompt: what shell scripts call; greedy, or sampled
-    with the default seed, the second run prints the first's answer."""
-    from reame import cli
-    from reame.engine import SamplingParams
-    backend = FakeBackend(n_ctx=1024)
-    answers = AnswerCache([DiskAnswers(tmp_path / "answers", 1 << 20)], FINGERPRINT)
-    with Engine(backend) as engine:
-        for params in (SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.7, seed=42,
-                                                                                     max_tokens=12)):
-            assert cli.answer_once(engine, "hello there", params, quiet=False, answers=answers) == 0
-            computed = capsys.readouterr()
-            decodes = len(backend.decode_calls)
-            assert cli.answer_once(engine, "hello there", params, quiet=False, answers=answers) == 0
-            repeated = capsys.readouterr()
-            assert len(backend.decode_calls) == decodes and repeated.out == computed.out and computed.out.strip()
-            tokens, finish = re.search(r"generated (\d+) tokens.* finish (\w+)", computed.err).groups()
-            assert repeated.err == f"answered from the exact answer cache: {tokens} tokens, finish {finish}\n"
-        unseeded = SamplingParams(temperature=0.7, seed=None, max_tokens=12)
-        for _ in range(2):  # never looked up, never kept
-            cli.answer_once(engine, "hello there", unseeded, quiet=True, answers=answers)
-            assert "exact answer cache" not in capsys.readouterr().err
-
-
 ASKED = [{"role": "user", "content": "hello there"}]
 
 

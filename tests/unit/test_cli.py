@@ -82,7 +82,7 @@ def test_print_config_serve_says_which_file_and_which_model(tmp_path, capsys, mo
 
 
 def test_without_a_config_the_default_model_is_named_with_its_reason(tmp_path, capsys, monkeypatch):
-    from reame import assembly
+    from reame import model_choice
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("REAME_CONFIG", raising=False)
@@ -92,7 +92,7 @@ def test_without_a_config_the_default_model_is_named_with_its_reason(tmp_path, c
     def resolve_model(name, progress=None):
         wanted.append(name)
         raise cli.ConfigError("stop here")
-    monkeypatch.setattr(assembly, "resolve_model", resolve_model)
+    monkeypatch.setattr(model_choice, "resolve_model", resolve_model)
     code, _, err = run(["-s"], capsys)
     assert code == 2 and wanted == ["smollm2-135m"]
     assert "config: no config file in ./config/reame.conf" in err
