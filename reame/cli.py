@@ -134,7 +134,8 @@ def answer_one_shot(one_shot: OneShot, settings: Settings, model: ModelSettings,
     """`one_shot` answered by libllama's model and engine, through the exact answer cache when it is on."""
     from reame.answers import answer_cache
     answers = answer_cache(settings, model.kv_fingerprint(), ram=False)
-    status = oneshot.answer(one_shot, settings, model, startup, answers, oneshot.libllama(settings))
+    status = oneshot.answer(one_shot, settings, model, startup, answers,
+                            oneshot.libllama(settings, one_shot.raw))
     log.debug("%s", startup.line())
     return status
 

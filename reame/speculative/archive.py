@@ -128,6 +128,28 @@ class Archive:
                 self._generation = None
                 return NewFrames([], True)
 
+    def position(self) -> tuple[int, int] | None:
+        """(generation, offset) of what was read, when every frame before the offset was read (this process's
+        own appends too); None before the first read or while an own append is still unread."""
+        with self._lock:
+            return None if self._generation is None or self._own else (self._generation, self._read_to)
+
+    def resume(self, generation: int, offset: int) -> bool:
+        """Read on from `offset` (a checkpoint's position) if the file is still of `generation` and a whole
+        frame starts there (or the file ends there); False and nothing changed otherwise."""
+        with self._lock:
+            try:
+                with open(self.path, "rb") as file:
+                    size = os.fstat(file.fileno()).st_size
+                    if self._generation_of(file) != generation or not HEADER.size <= offset <= size:
+                        return False
+                    if offset < size and not _whole_frame_at(file, offset, size):
+                        return False
+            except OSError:
+                return False
+            self._generation, self._read_to, self._own = generation, offset, set()
+            return True
+
     def sync(self) -> None:
         """fsync what was appended since the last call."""
         with self._lock:
@@ -227,3 +249,14 @@ class Archive:
             out.flush()
             os.fsync(out.fileno())
         os.replace(temp, self.path)
+
+
+def _whole_frame_at(file, at: int, size: int) -> bool:
+    """Whether a whole frame, its checksum right, starts at `at` of a file of `size` bytes."""
+    file.seek(at)
+    header = file.read(FRAME.size)
+    if len(header) != FRAME.size:
+        return False
+    length, checksum = FRAME.unpack(header)
+    return length <= MAX_FRAME_BYTES and at + FRAME.size + length <= size and \
+        zlib.crc32(file.read(length)) == checksum

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 from pathlib import Path
 
+from reame.speculative import checkpoint
 from reame.speculative.archive import Archive
 
 if TYPE_CHECKING:
@@ -67,17 +68,28 @@ SYNC_SECONDS = 1.0  # fsync and read what other processes appended at this inter
 SKIP_AHEAD = 4  # archived tokens an emitted token may have skipped and still re-align the place
 STEP_BACK = 2  # tokens an emitted token may have been put in before, and still re-align the place
 MAX_MISSES = 4  # emitted tokens in a row that do not fit the place before it is dropped
+CHECKPOINT_TOKENS = 16384  # the index is kept on disk once it grew by this much (checkpoint.py)
 
 
 class ContinuationIndex:
     """Hash chains over the archived tokens. Appended to by one thread at a time (the Palimpsest holds
     its lock); read by the engine thread under the same lock."""
 
-    def __init__(self) -> None:
-        self.tokens = array.array("i")
+    def __init__(self, arrays: list[array.array] | None = None) -> None:
+        """`arrays`: an index's own (`arrays()`), as a checkpoint kept them; else an empty index."""
         self._mask = (1 << TABLE_BITS) - 1
-        self._heads = {n: array.array("i", [-1]) * (1 << TABLE_BITS) for n in (SHORT, LONG)}
-        self._chains = {n: array.array("i") for n in (SHORT, LONG)}
+        if arrays is None:
+            self.tokens = array.array("i")
+            self._heads = {n: array.array("i", [-1]) * (1 << TABLE_BITS) for n in (SHORT, LONG)}
+            self._chains = {n: array.array("i") for n in (SHORT, LONG)}
+        else:
+            self.tokens, short_heads, long_heads, short_chain, long_chain = arrays
+            self._heads = {SHORT: short_heads, LONG: long_heads}
+            self._chains = {SHORT: short_chain, LONG: long_chain}
+
+    def arrays(self) -> list[array.array]:
+        """The tokens, the heads and the chains (SHORT's, then LONG's), as a checkpoint keeps them."""
+        return [self.tokens, self._heads[SHORT], self._heads[LONG], self._chains[SHORT], self._chains[LONG]]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -227,8 +239,7 @@ class Palimpsest:
         return PalimpsestDrafter(self, prompt)
 
     def continuation(self, context: Sequence[int], limit: int) -> list[int]:
-        with self._lock:
-            return self._index.continuation(context, limit) if self._index is not None else []
+        return self.find(context, limit)[0]
 
     def find(self, context: Sequence[int], limit: int) -> tuple[list[int], int, Place | None]:
         """The continuation of `context`'s longest archived match, how many tokens matched, and the
@@ -236,7 +247,10 @@ class Palimpsest:
         with self._lock:
             if self._index is None:
                 return [], 0, None
-            draft, start, matched = self._index.find(context, limit)
+            try:
+                draft, start, matched = self._index.find(context, limit)
+            except IndexError:  # a damaged checkpoint's positions: no draft (checkpoint.py)
+                return [], 0, None
             return draft, matched, Place(self._index, start) if draft else None
 
     def follow(self, place: Place, limit: int) -> list[int]:
@@ -298,6 +312,8 @@ class Palimpsest:
             log.warning("the Palimpsest is off: cannot use %s (%s)", self.directory, error)
             self.loaded.set()
             return
+        kept = checkpoint.path_of(archive.path)
+        saved = self._resume(archive, kept)  # tokens in the checkpoint on disk
         while True:
             self._append_pending(archive)
             new = archive.read_new()
@@ -312,19 +328,44 @@ class Palimpsest:
                     index.add(frame)
                 with self._lock:
                     self._index = index
-                if not self.loaded.is_set():
-                    self.loaded.set()
-                    if new.frames:
-                        log.info("the Palimpsest holds %d tokens of earlier generations", len(index))
             elif new.frames:
                 with self._lock:
                     for frame in new.frames:
                         self._index.add(frame)
+            if not self.loaded.is_set():
+                self.loaded.set()
+                if len(self._index):
+                    log.info("the Palimpsest holds %d tokens of earlier generations", len(self._index))
             archive.sync()
+            saved = self._checkpoint(archive, kept, saved)
             if self._stop.is_set():
                 return
             self._wake.wait(SYNC_SECONDS)
             self._wake.clear()
+
+    def _resume(self, archive: Archive, kept: Path) -> int:
+        """The index as its checkpoint kept it, when the archive is still the one it was made of; how many
+        tokens it holds (0: none, the archive is read from its start)."""
+        loaded = checkpoint.load(kept, TABLE_BITS)
+        if loaded is None:
+            return 0
+        generation, offset, arrays = loaded
+        if not archive.resume(generation, offset):
+            return 0
+        with self._lock:
+            self._index = ContinuationIndex(arrays)
+        return len(arrays[0])
+
+    def _checkpoint(self, archive: Archive, kept: Path, saved: int) -> int:
+        """Keep the index on disk when it grew by CHECKPOINT_TOKENS since the last checkpoint, and it is the
+        archive's up to where it was read (nothing of this process's left to append); the tokens kept."""
+        with self._lock:
+            index, position = self._index, archive.position()
+            if index is None or position is None or self._pending or len(index) - saved < CHECKPOINT_TOKENS:
+                return saved
+            arrays = [values[:] for values in index.arrays()]  # copies: the engine adds to the index meanwhile
+        checkpoint.save(kept, *position, arrays, TABLE_BITS)
+        return len(arrays[0])
 
     def _append_pending(self, archive: Archive) -> None:
         with self._lock:

@@ -3,7 +3,6 @@ or sibling process reads), and nodes sharing an ARCA on a thread: hits without t
 cached, the opt-out, a store that goes away."""
 
 import json
-import re
 
 import pytest
 

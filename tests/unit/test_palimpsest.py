@@ -13,6 +13,7 @@ import pytest
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from tests.fakes.backend import FakeBackend
 from reame.speculative import Speculation
+from reame.speculative import checkpoint
 from reame.speculative.archive import FRAME, HEADER, Archive
 from reame.speculative.palimpsest import ContinuationIndex, Palimpsest, vocabulary_hash
 
@@ -230,3 +231,86 @@ def test_a_repeated_request_is_drafted_from_its_earlier_answer_even_after_a_rest
     assert again.finish.usage.accepted_draft_tokens >= 54
     other = generate("something else entirely, never asked: ", palimpsest(tmp_path))
     assert other.tokens == generate("something else entirely, never asked: ", None).tokens
+
+
+def index_of(source):
+    with source._lock:
+        return source._index
+
+
+def test_a_start_reads_the_checkpoint_and_only_what_was_appended_after_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("reame.speculative.palimpsest.CHECKPOINT_TOKENS", 50)
+    writer = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(5):
+        writer.append(record)
+    first = palimpsest(tmp_path)
+    first.close()
+    kept = checkpoint.path_of(writer.path)
+    assert kept.exists() and kept.stat().st_mode & 0o077 == 0
+    for record in records(7)[5:]:  # appended after the checkpoint: read from the archive
+        writer.append(record)
+    added = []
+    monkeypatch.setattr(ContinuationIndex, "add", lambda self, record, add=ContinuationIndex.add: (
+        added.append(tuple(record)), add(self, record))[1])
+    second = palimpsest(tmp_path)
+    try:
+        assert added == records(7)[5:], "the checkpoint's records are not indexed again"
+        assert index_of(second).tokens.tolist() == [t for r in records(7) for t in (*r, -1)]
+        assert second.continuation(records(7)[2][:6], 4) == list(records(7)[2][6:10])
+        assert second.continuation(records(7)[6][:6], 4) == list(records(7)[6][6:10])
+    finally:
+        second.close()
+
+
+def test_a_rewritten_archive_makes_its_old_checkpoint_useless(tmp_path, monkeypatch):
+    monkeypatch.setattr("reame.speculative.palimpsest.CHECKPOINT_TOKENS", 50)
+    writer = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(5):
+        writer.append(record)
+    palimpsest(tmp_path).close()
+    writer.path.unlink()
+    fresh = Archive(tmp_path, VOCABULARY, 1 << 20)  # a new generation
+    fresh.append(records(9)[8])
+    source = palimpsest(tmp_path)
+    try:
+        assert index_of(source).tokens.tolist() == [*records(9)[8], -1]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "header only", "bad positions", "mid-frame offset"])
+def test_a_damaged_checkpoint_is_never_trusted_with_more_than_a_draft(tmp_path, monkeypatch, damage):
+    """A damaged or planted checkpoint: the archive is read whole instead, or the index drafts nothing where
+    a position is out of range; never an error, and the archive is never cut."""
+    monkeypatch.setattr("reame.speculative.palimpsest.CHECKPOINT_TOKENS", 50)
+    writer = Archive(tmp_path, VOCABULARY, 1 << 20)
+    for record in records(5):
+        writer.append(record)
+    palimpsest(tmp_path).close()
+    kept = checkpoint.path_of(writer.path)
+    data = bytearray(kept.read_bytes())
+    if damage == "truncated":
+        data = data[:-4]
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    elif damage == "header only":
+        data = data[:checkpoint.HEADER.size]
+    elif damage == "bad positions":
+        body = checkpoint.HEADER.size
+        data[body + 4 * 105:] = b"\x7f\xff\xff\x7f" * ((len(data) - body - 4 * 105) // 4)
+    else:
+        magic, version, bits, generation, offset, n = checkpoint.HEADER.unpack_from(data)
+        data[:checkpoint.HEADER.size] = checkpoint.HEADER.pack(magic, version, bits, generation, offset - 3, n)
+    kept.write_bytes(bytes(data))
+    size = writer.path.stat().st_size
+    source = palimpsest(tmp_path)
+    try:
+        for record in records(5):
+            source.continuation(record[:6], 4)  # whatever it drafts, it raises nothing
+        if damage != "bad positions":
+            assert source.continuation(records(5)[3][:6], 4) == list(records(5)[3][6:10])
+        source.record((1, 2, 3, 4, 5))
+    finally:
+        source.close()
+    assert writer.path.stat().st_size >= size
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames[:5] == records(5)
