@@ -20,7 +20,7 @@ reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.
 reame.model.backend reame.model.batch_numerics reame.model.chat_template reame.model.embedding
 reame.model.fingerprint reame.model.library reame.model.llama reame.model.loaded_model reame.model.sampler_chain
 reame.model.sampling reame.model_choice reame.native reame.oneshot reame.quantize reame.settings
-reame.speculative reame.speculative.archive reame.speculative.controller reame.speculative.draft_model
+reame.speculative reame.speculative.archive reame.speculative.checkpoint reame.speculative.controller reame.speculative.draft_model
 reame.speculative.lookup reame.speculative.palimpsest reame.speculative.source reame.speculative.speculation
 reame.speculative.suggeritore reame.structured reame.structured.gbnf reame.structured.grammar
 """.split())
