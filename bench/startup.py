@@ -5,18 +5,24 @@
     python bench/startup.py --model qwen2.5-coder-0.5b --reps 8
 
 A .pyz is built from this tree (the cached portable libraries) and run with
-`python -I` from a fresh cache directory (the models linked in): its first run
-extracts and compiles, the later ones are warm. Each warm one-shot is timed
-beside llama-completion (built with the bench tools) doing the same work, in
-ABAB order: `run MODEL "Hi" --max-tokens 1 -q`, which renders the model's
-chat template, against llama-completion given that rendered prompt; and a raw
-prompt (`--raw`) against `llama-completion -no-cnv -p Hi -n 1`. Both load the
-model, warm it up with one decode, read the prompt and make one token, with the
-threads and context Reame's autoconfig chooses (`--print-config`). `--serve` is
-timed from the command to the first 200 of /health, beside llama-server. The
-per-phase breakdown is Reame's own startup line (`REAME_LOGGING_LEVEL=debug`),
-with the interpreter's start before it and the exit after it told apart by the
-monotonic clock both processes share.
+`python -I` of the base interpreter (not this venv's: a user's bare Python),
+from a fresh cache directory (the models linked in): its first run extracts
+and compiles, the later ones are warm. Each warm one-shot is timed beside
+llama-completion (built with the bench tools) doing the same work, in ABAB
+order: `run MODEL "Hi" --max-tokens 1 -q`, which renders the model's chat
+template, against llama-completion given that rendered prompt; and a raw
+prompt (`--raw`) against `llama-completion -no-cnv -p Hi -n 1`. Reame's
+one-shots compute their answer every time (cache.answers off, as for a prompt
+never seen before); llama-completion runs as a user types it, with its
+default context, and once more with the context Reame's one-shot gets
+(`--print-config`), which is the same work. "A repeated prompt" is Reame's
+exact answer cache (the answer computed once before the runs) against
+llama-completion computing it again. `--serve` is timed from the command to
+the first 200 of /health, beside llama-server, both with the serving context.
+The per-phase breakdown is Reame's own startup line
+(`REAME_LOGGING_LEVEL=debug`) of a computed one-shot, with the interpreter's
+start before it and the exit after it told apart by the monotonic clock both
+processes share.
 """
 
 from __future__ import annotations
@@ -84,10 +90,11 @@ def ready_after(command: list[str], port: int, env: dict[str, str] | None = None
         process.wait(timeout=60)
 
 
-def chosen(reame: list[str], model: str, env: dict[str, str]) -> tuple[int, int]:
-    """The threads and context Reame's autoconfig gives a one-shot run of `model` here."""
-    printed = subprocess.run([*reame, "run", model, "--print-config"], capture_output=True, text=True, env=env,
-                             timeout=300).stdout
+def chosen(reame: list[str], model: str, env: dict[str, str], *prompt: str) -> tuple[int, int]:
+    """The threads and context Reame's autoconfig gives `model` here: a server's, or with `prompt` (the
+    command's words after the model) a one-shot's."""
+    printed = subprocess.run([*reame, "run", model, *prompt, "--print-config"], capture_output=True, text=True,
+                             env=env, timeout=300).stdout
     value = lambda key: int(re.search(rf"^{re.escape(key)} = (\d+)", printed, re.M).group(1))  # noqa: E731
     return value("model.threads"), value("model.context_length")
 
@@ -128,23 +135,28 @@ def main() -> int:
         pyz = build_pyz(work)
         env = {"HOME": str(work), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                "REAME_CACHE": str(fresh_cache(work))}
-        reame = [sys.executable, "-I", str(pyz)]
-        first_run = wall([*reame, "run", args.model, "Hi", "--max-tokens", str(args.tokens), "-q"], env)
+        computing = {**env, "REAME_CACHE_ANSWERS": "0"}
+        reame = [getattr(sys, "_base_executable", sys.executable), "-I", str(pyz)]
+        asked = ["Hi", "--max-tokens", str(args.tokens)]
+        first_run = wall([*reame, "run", args.model, *asked, "-q"], env)  # and the answer kept
         threads, context = chosen(reame, args.model, env)
+        _, one_shot_context = chosen(reame, args.model, env, *asked)
         threads = args.threads or threads
-        one_shot = [*reame, "run", args.model, "Hi", "--max-tokens", str(args.tokens), "-q",
-                    *(["--threads", str(threads)] if args.threads else [])]
+        one_shot = [*reame, "run", args.model, *asked, "-q", *(["--threads", str(threads)] if args.threads else [])]
         templated = rendered_prompt(path, "Hi")
-        peer = [str(completion), "-m", str(path), "-t", str(threads), "-c", str(context), "-n", str(args.tokens),
-                "-no-cnv", "--temp", "0"]
-        pairs = {
-            "one-shot, the model's chat template": (one_shot, [*peer, "-p", templated]),
-            "one-shot, raw prompt": ([*one_shot, "--raw"], [*peer, "-p", "Hi"]),
+        peer = [str(completion), "-m", str(path), "-t", str(threads), "-n", str(args.tokens), "-no-cnv", "--temp", "0"]
+        sized_peer = [*peer, "-c", str(one_shot_context)]
+        runs = {  # name: (Reame's command, its environment, llama.cpp's command)
+            "one-shot, the model's chat template": (one_shot, computing, [*peer, "-p", templated]),
+            "one-shot, the chat template; llama.cpp in Reame's one-shot context":
+                (one_shot, computing, [*sized_peer, "-p", templated]),
+            "one-shot, raw prompt": ([*one_shot, "--raw"], computing, [*peer, "-p", "Hi"]),
+            "a repeated prompt (Reame: its exact answer cache)": (one_shot, env, [*peer, "-p", templated]),
         }
-        walls: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
+        walls: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
         for _ in range(args.reps):
-            for name, (ours, theirs) in pairs.items():
-                walls[name][0].append(wall(ours, env))
+            for name, (ours, our_env, theirs) in runs.items():
+                walls[name][0].append(wall(ours, our_env))
                 walls[name][1].append(wall(theirs, library_path))
         serve_walls: tuple[list[float], list[float]] = ([], [])
         for rep in range(max(2, args.reps // 2)):
@@ -153,20 +165,20 @@ def main() -> int:
                                                str(threads), "--ctx", str(context), "-q"], port, env))
             serve_walls[1].append(ready_after([str(server), "-m", str(path), "-t", str(threads), "-c", str(context),
                                                "--port", str(port), "--host", "127.0.0.1"], port, library_path))
-        spawned, exited, log = timed([c for c in one_shot if c != "-q"], {**env, "REAME_LOGGING_LEVEL": "debug"})
+        spawned, exited, log = timed([c for c in one_shot if c != "-q"], {**computing, "REAME_LOGGING_LEVEL": "debug"})
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"## Start-up: {args.model}, {threads} threads, context {context} (llama.cpp {LLAMA_COMMIT}; "
-          f"{machine()}; Python {sys.version.split()[0]})\n")
+    print(f"## Start-up: {args.model}, {threads} threads; a one-shot's context {one_shot_context}, a server's "
+          f"{context} (llama.cpp {LLAMA_COMMIT}; {machine()}; Python {sys.version.split()[0]})\n")
     rows = [["one-shot, first run of the .pyz (extract + compile)", f"{first_run:.2f}", "", ""]]
     for name, (ours, theirs) in [*walls.items(), ("--serve until /health is 200", serve_walls)]:
         ratio = statistics.median(ours) / statistics.median(theirs)
         rows.append([name, summary(ours, 2), summary(theirs, 2), f"{ratio:.2f}"])
     print_table(["run", "Reame s (median, min–max)", "llama.cpp s", "Reame / llama.cpp"], rows)
-    print(f"\nllama.cpp: llama-completion -no-cnv for one-shots, llama-server for --serve; {args.reps} warm runs each, "
-          "alternating.\n")
-    print_table(["phase of one warm one-shot (chat template)", "ms"],
+    print(f"\nllama.cpp: llama-completion -no-cnv for one-shots (its default context unless said), llama-server "
+          f"for --serve; {args.reps} warm runs each, alternating.\n")
+    print_table(["phase of one warm one-shot (chat template, computed)", "ms"],
                 [*[[name, f"{seconds * 1000:.0f}"] for name, seconds in phases(log, spawned, exited)],
                  ["wall", f"{(exited - spawned) * 1000:.0f}"]])
     return 0

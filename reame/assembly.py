@@ -37,9 +37,10 @@ log = logging.getLogger("reame")
 SERVED_EMBEDDINGS = "served"  # cache.semantic_model: the served model embeds questions itself
 
 
-def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False) -> Engine:
+def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False,
+               warm_up: bool = True) -> Engine:
     """An engine over `backend` (which it owns and closes, once its thread has ended) with the prefix cache and
-    speculation the settings ask for; `serving`: with the server's queue limits."""
+    speculation the settings ask for; `serving`: with the server's queue limits; `warm_up`: see Engine."""
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
                                   prefill_chunk_tokens=server.prefill_chunk_tokens,
@@ -47,7 +48,7 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     try:
         speculation = new_speculation(backend, settings, serving) if speculate else None
         return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation,
-                      owns_backend=True, **limits)
+                      owns_backend=True, warm_up=warm_up, **limits)
     except BaseException:
         backend.close()
         raise

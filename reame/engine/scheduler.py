@@ -90,7 +90,7 @@ class Engine:
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
                  speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S,
-                 max_answer_tokens: int = 0, owns_backend: bool = False) -> None:
+                 max_answer_tokens: int = 0, owns_backend: bool = False, warm_up: bool = True) -> None:
         """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
@@ -98,7 +98,9 @@ class Engine:
         `cache`: the prefix cache; `speculation`: draft and verify several tokens per step where
         that pays (speculative/). The engine closes both. `first_token_handoff_s`: see FIRST_TOKEN_HANDOFF_S.
         `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room).
-        `owns_backend`: close() closes the backend too (once the thread has ended)."""
+        `owns_backend`: close() closes the backend too (once the thread has ended). `warm_up`: a throwaway decode
+        before the first request (LlamaBackend.warm_up); a one-shot prompt, whose prompt decodes next, skips it
+        (10 ms of SmolLM2-135M's 125 to its first token here)."""
         self.backend = backend
         self.first_token_handoff_s = first_token_handoff_s
         self.cache = cache
@@ -114,6 +116,7 @@ class Engine:
         limits = admission.ContextLimits(backend.n_ctx, backend.n_ctx_seq, backend.n_seq_max, reserve_tokens)
         self.max_answer_tokens = max_answer_tokens
         self.owns_backend = owns_backend
+        self.warms_up = warm_up
         self._exit_lock = threading.Lock()  # close() and the thread's end agree on who frees what, once
         self._release_on_exit = False
         self._released = False
@@ -306,7 +309,8 @@ class Engine:
 
     def _warm_up(self) -> None:
         try:
-            self.backend.warm_up()  # here, on the thread that will decode (see LlamaBackend.warm_up)
+            if self.warms_up:
+                self.backend.warm_up()  # here, on the thread that will decode (see LlamaBackend.warm_up)
             if self.speculation is not None:
                 self.speculation.warm_up()
         except Exception:
