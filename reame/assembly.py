@@ -38,9 +38,10 @@ SERVED_EMBEDDINGS = "served"  # cache.semantic_model: the served model embeds qu
 
 
 def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True, serving: bool = False,
-               warm_up: bool = True) -> Engine:
-    """An engine over `backend` (which it owns and closes, once its thread has ended) with the prefix cache and
-    speculation the settings ask for; `serving`: with the server's queue limits; `warm_up`: see Engine."""
+               warm_up: bool = True, frees_backend: bool = True) -> Engine:
+    """An engine over `backend` with the prefix cache and speculation the settings ask for; `serving`: with the
+    server's queue limits; `warm_up`: see Engine; `frees_backend`: the engine closes the backend once its thread
+    has ended (False: the process is about to exit, which frees it faster)."""
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
                                   prefill_chunk_tokens=server.prefill_chunk_tokens,
@@ -48,7 +49,7 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     try:
         speculation = new_speculation(backend, settings, serving) if speculate else None
         return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation,
-                      owns_backend=True, warm_up=warm_up, **limits)
+                      owns_backend=frees_backend, warm_up=warm_up, **limits)
     except BaseException:
         backend.close()
         raise
