@@ -87,11 +87,13 @@ def extracted_parts(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_warm_run_imports_compiled_code_only(pyz, python, tmp_path, smollm2_path):
-    """zipimport compiles every module from source on every start; a warm run must compile nothing."""
-    args = ("run", str(smollm2_path), "Hi", "--max-tokens", "1", "-q")
-    assert run_isolated(python, pyz, tmp_path, *args).returncode == 0
+    """zipimport compiles every module from source on every start; a warm run must compile nothing. The warm
+    run asks another prompt: a repeated one is answered from the answer cache before jinja2 or libllama load."""
+    first = ("run", str(smollm2_path), "Hi", "--max-tokens", "1", "-q")
+    assert run_isolated(python, pyz, tmp_path, *first).returncode == 0
     _, tree = extracted_parts(tmp_path)
-    warm = run_isolated(python, pyz, tmp_path, *args, flags=("-v",))
+    warm = run_isolated(python, pyz, tmp_path, "run", str(smollm2_path), "Hello", "--max-tokens", "1", "-q",
+                        flags=("-v",))
     assert warm.returncode == 0, warm.stderr[-2000:]
     loaded = [line for line in warm.stderr.splitlines() if line.startswith("# code object from ")]
     from_tree = [line for line in loaded if str(tree) in line]
