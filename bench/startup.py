@@ -15,7 +15,10 @@ prompt (`--raw`) against `llama-completion -no-cnv -p Hi -n 1`. Reame's
 one-shots compute their answer every time (cache.answers off, as for a prompt
 never seen before); llama-completion runs as a user types it, with its
 default context, and once more with the context Reame's one-shot gets
-(`--print-config`), which is the same work. "A repeated prompt" is Reame's
+(`--print-config`), which is the same work. A warm one-shot restores the
+chat template's opening from the template head the first run wrote
+(reame/cache/heads.py); the row with the KV cache off prefills it, as the
+first one-shot of a model on a machine does. "A repeated prompt" is Reame's
 exact answer cache (the answer computed once before the runs) against
 llama-completion computing it again. `--serve` is timed from the command to
 the first 200 of /health, beside llama-server, both with the serving context.
@@ -148,6 +151,8 @@ def main() -> int:
         sized_peer = [*peer, "-c", str(one_shot_context)]
         runs = {  # name: (Reame's command, its environment, llama.cpp's command)
             "one-shot, the model's chat template": (one_shot, computing, [*peer, "-p", templated]),
+            "one-shot, the chat template, no template head (KV cache off: as a model's first one-shot)":
+                (one_shot, {**computing, "REAME_CACHE_ENABLED": "0"}, [*peer, "-p", templated]),
             "one-shot, the chat template; llama.cpp in Reame's one-shot context":
                 (one_shot, computing, [*sized_peer, "-p", templated]),
             "one-shot, raw prompt": ([*one_shot, "--raw"], computing, [*peer, "-p", "Hi"]),

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
-from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from reame.engine import Engine, FinishEvent, GenerationRequest, SamplingParams, Session, TokenEvent
 
 HELP = """commands:
   /reset   forget the conversation
@@ -127,9 +127,10 @@ def repl(conversation: Conversation, read_line: Callable[[str], str], out: TextI
 
 
 def stream_answer(engine: Engine, prompt: str, params: SamplingParams, out: TextIO,
-                  err: TextIO) -> tuple[str, FinishEvent]:
-    """Stream one answer to `out`; Ctrl-C cancels it and keeps what was shown."""
-    handle = engine.submit(GenerationRequest(prompt, params, streamed=True))
+                  err: TextIO, session: Session | None = None) -> tuple[str, FinishEvent]:
+    """Stream one answer to `out` (continuing `session`'s KV, if any); Ctrl-C cancels it and keeps what was
+    shown."""
+    handle = engine.submit(GenerationRequest(prompt, params, streamed=True, session=session))
     shown: list[str] = []
     try:
         for event in handle:

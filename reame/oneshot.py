@@ -13,6 +13,8 @@ A script pays a run's whole start every time, so a one-shot does only what its a
    the serving context of 8,192 tokens cost SmolLM2-135M 139 ms to make against 13 ms for 512. The
    answer does not change with it: the context bounds the cells in use, not the arithmetic over them
    (tests/integration/test_one_shot_real.py compares a sized run with a full-context one, byte for byte).
+4. A short chat prompt, which the prefix cache does not keep, restores its template's opening from the
+   template heads (cache/heads.py) and prefills the rest; the first run without one writes it.
 
 An explicit context (--ctx, model.context_length) is kept, and so is the planned one for --best-of,
 whose attempts each need their own cells.
@@ -34,6 +36,7 @@ from reame.autoconfig import Choice
 
 if TYPE_CHECKING:
     from reame.answers import AnswerCache, CachedAnswer
+    from reame.cache.heads import TemplateHeads
     from reame.engine import Engine, FinishEvent, SamplingParams
     from reame.model.backend import ModelSettings
     from reame.model.llama import LlamaBackend
@@ -71,6 +74,11 @@ class OneShot:
     raw: bool = False
     best_of: int = 1
     quiet: bool = False
+
+    def messages(self, content: str) -> list[dict[str, str]]:
+        """The chat messages of the prompt, asking `content`."""
+        return ([{"role": "system", "content": self.system}] if self.system else []) + \
+            [{"role": "user", "content": content}]
 
     def described(self, chat_template: str) -> dict[str, object]:
         """Everything of the request, besides the sampling settings, that decides the prompt's tokens."""
@@ -162,9 +170,7 @@ def answer(one_shot: OneShot, settings: Settings, model: ModelSettings, startup:
         templated = loaded.has_chat_template and not one_shot.raw
         prompt = one_shot.prompt
         if templated:
-            messages = ([{"role": "system", "content": one_shot.system}] if one_shot.system else []) + \
-                [{"role": "user", "content": prompt}]
-            prompt = loaded.apply_chat_template(messages, add_assistant=True)
+            prompt = loaded.apply_chat_template(one_shot.messages(prompt), add_assistant=True)
         key = None
         from reame.engine import GenerationRequest
         from reame.engine.prompt import prompt_tokens
@@ -183,17 +189,26 @@ def answer(one_shot: OneShot, settings: Settings, model: ModelSettings, startup:
             n_ctx = context_for(len(tokens), params.max_tokens, model.n_ctx)
             model = dataclasses.replace(model, n_ctx=n_ctx, n_batch=min(model.n_batch, n_ctx),
                                         n_ubatch=min(model.n_ubatch, n_ctx))
+        head = head_length(loaded, one_shot, params, tokens) if heads_apply(settings, one_shot, len(tokens)) \
+            and templated else 0
         backend = answering.open_context(model, loaded)
     except BaseException:
         loaded.close()
         raise
+    heads, restored = None, None
+    if head:
+        from reame.cache.heads import TemplateHeads
+        heads = TemplateHeads(settings.cache.directory, backend.kv_fingerprint())
+        restored = heads.find(tokens[:head])
     startup.mark(f"context of {backend.n_ctx} made")
     with answering.new_engine(backend) as engine:
         startup.mark("engine ready")
         if one_shot.best_of > 1:
             return elect_answer(engine, prompt, params, one_shot.quiet, one_shot.best_of, out, err)
         from reame.chat import stream_answer
-        text, finish = stream_answer(engine, prompt, params, out, err)
+        from reame.engine import Session, SessionState
+        session = Session(SessionState(restored.tokens, restored.blob)) if restored is not None else None
+        text, finish = stream_answer(engine, prompt, params, out, err, session)
         if finish.reason == "error":
             raise ModelError(finish.message)
         if answers is not None and key is not None and named is not None and answers.put(key, text, finish):
@@ -201,7 +216,42 @@ def answer(one_shot: OneShot, settings: Settings, model: ModelSettings, startup:
         startup.mark("answered")
         if not one_shot.quiet:
             print(stats_line(finish), file=err)
+    if heads is not None and head and restored is None:
+        keep_head(heads, backend, tokens[:head])
+    return 0
+
+
+def heads_apply(settings: Settings, one_shot: OneShot, prompt_tokens: int) -> bool:
+    """Whether a one-shot restores its template's opening from a template head: with the KV cache on, one
+    attempt, and a prompt the prefix cache would not keep (at most cache.min_new_tokens tokens: a request that
+    carries a head is not looked up there)."""
+    options = settings.cache
+    return options.enabled and one_shot.best_of == 1 and prompt_tokens <= options.min_new_tokens
+
+
+def head_length(loaded: LoadedModel, one_shot: OneShot, params: SamplingParams, tokens: list[int]) -> int:
+    """How many of the prompt's `tokens` to restore from a template head: of those the chat template's opening
+    makes (the tokens it shares with the same messages asking nothing), as many as leave the answer unchanged
+    (`usable_length`); 0 if the template refuses the empty question."""
+    from reame.cache.heads import usable_length
+    from reame.cache.store import common_prefix
+    from reame.engine import GenerationRequest
+    from reame.engine.prompt import prompt_tokens
+    from reame.errors import ReameError
+    try:
+        opening = loaded.apply_chat_template(one_shot.messages(""), add_assistant=True)
+        shared = common_prefix(tokens, prompt_tokens(loaded, GenerationRequest(opening, params)))
+    except ReameError:
         return 0
+    return usable_length(shared, len(tokens))
+
+
+def keep_head(heads: TemplateHeads, backend: LlamaBackend, head: list[int]) -> None:
+    """Write the prompt's head from the KV the answer left in sequence 0 (the one-shot's only request ran
+    there, or the sequence is empty and nothing is written)."""
+    from reame.cache.store import Snapshot
+    if backend.seq_pos_max(0) >= len(head) - 1 and backend.seq_rm(0, len(head)):
+        heads.keep(Snapshot(tuple(head), bytes(backend.seq_state_get(0))))
 
 
 def print_cached(cached: CachedAnswer, quiet: bool, out: TextIO, err: TextIO) -> int:

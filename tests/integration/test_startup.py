@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every module of Reame a one-shot prompt on a model already on disk may import.
 ALLOWED = frozenset("""
 reame reame.answers reame.assembly reame.autoconfig reame.cache reame.cache.answers reame.cache.codec
-reame.cache.prefix reame.cache.store
+reame.cache.heads reame.cache.prefix reame.cache.store
 reame.catalog reame.chat reame.cli reame.cli_flags reame.conclave reame.config reame.ctypes_llama
 reame.ctypes_llama._lib reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission
 reame.engine.embeddings
@@ -20,7 +20,8 @@ reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.
 reame.model.backend reame.model.batch_numerics reame.model.chat_template reame.model.embedding
 reame.model.fingerprint reame.model.library reame.model.llama reame.model.loaded_model reame.model.sampler_chain
 reame.model.sampling reame.model_choice reame.native reame.oneshot reame.quantize reame.settings
-reame.speculative reame.speculative.archive reame.speculative.checkpoint reame.speculative.controller reame.speculative.draft_model
+reame.speculative reame.speculative.archive reame.speculative.checkpoint reame.speculative.controller
+reame.speculative.draft_model
 reame.speculative.lookup reame.speculative.palimpsest reame.speculative.source reame.speculative.speculation
 reame.speculative.suggeritore reame.structured reame.structured.gbnf reame.structured.grammar
 """.split())

@@ -10,6 +10,8 @@ import pytest
 
 from reame import config, oneshot
 from reame.answers import AnswerCache, named_key
+from reame.cache.heads import HEAD_ALIGN, usable_length
+from reame.cache.store import decode
 from reame.cache.answers import DiskAnswers
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.engine.prompt import prompt_tokens
@@ -45,8 +47,17 @@ class Parts:
         return oneshot.Answering(load, open_context, new_engine)
 
 
+CACHE = {"dir": ""}  # this test's KV cache directory (template heads): never the user's
+
+
+@pytest.fixture(autouse=True)
+def kv_directory(tmp_path):
+    CACHE["dir"] = str(tmp_path / "kv")
+    return tmp_path / "kv"
+
+
 def settings_with(**env: str):
-    return from_values(config.load(None, env=env))
+    return from_values(config.load(None, env={"REAME_CACHE_DIR": CACHE["dir"], **env}))
 
 
 def ask(one_shot: OneShot, parts: Parts, answers: AnswerCache | None, settings=None, model=SERVING):
@@ -159,3 +170,58 @@ def test_a_prompt_named_by_a_template_that_reads_the_clock_holds_only_that_day(a
 def test_a_damaged_or_foreign_name_is_a_miss(value):
     named = b"reame:prompt:" + b"a" * 64
     assert named_key(named, value.replace(b"NAMED", b'"' + named + b'"')) is None
+
+
+def test_a_head_is_cut_at_a_multiple_of_eight_leaving_eight_tokens_to_prefill():
+    assert usable_length(24, 31) == 16
+    assert usable_length(24, 40) == 24
+    assert usable_length(30, 31) == 16
+    assert usable_length(7, 31) == 0
+    assert usable_length(24, 15) == 0
+    assert usable_length(0, 31) == 0
+
+
+def heads_in(directory):
+    return sorted((directory / "heads").glob("*.kvs")) if (directory / "heads").exists() else []
+
+
+SYSTEM = "You are terse."  # with it, the fake template's opening is 31 tokens
+
+
+def test_a_short_chat_prompt_restores_its_templates_opening_from_the_second_run_on(kv_directory):
+    parts = Parts()
+    first_out, first_err = ask(OneShot("hi", system=SYSTEM), parts, None)
+    assert "from cache" not in first_err
+    [head] = heads_in(kv_directory)
+    kept = decode(head.read_bytes(), parts.backend.kv_fingerprint())
+    assert len(kept.tokens) % HEAD_ALIGN == 0 and len(kept.tokens) >= HEAD_ALIGN
+    again_out, again_err = ask(OneShot("hi", system=SYSTEM), parts, None)
+    assert again_out == first_out
+    assert f"({len(kept.tokens)} from cache)" in again_err
+    other_out, other_err = ask(OneShot("what now?", system=SYSTEM), parts, None)
+    assert f"({len(kept.tokens)} from cache)" in other_err
+    assert other_out == ask(OneShot("what now?", system=SYSTEM), parts, None, settings_with(
+        REAME_GENERATION_TEMPERATURE="0", REAME_GENERATION_MAX_TOKENS="12", REAME_CACHE_ENABLED="0"))[0]
+    assert heads_in(kv_directory) == [head]
+
+
+def test_a_damaged_or_planted_head_is_removed_and_written_again(kv_directory):
+    parts = Parts()
+    clean_out, _ = ask(OneShot("hi", system=SYSTEM), parts, None)
+    [head] = heads_in(kv_directory)
+    good = head.read_bytes()
+    for planted in (b"", b"junk" * 100, good[:-1] + bytes([good[-1] ^ 1]), good[:len(good) // 2]):
+        head.write_bytes(planted)
+        out, err = ask(OneShot("hi", system=SYSTEM), parts, None)
+        assert out == clean_out and "from cache" not in err
+        assert head.read_bytes() == good
+
+
+def test_no_head_with_the_kv_cache_off_for_a_long_prompt_a_raw_one_or_best_of(kv_directory):
+    parts = Parts()
+    ask(OneShot("hi", system=SYSTEM), parts, None, settings_with(REAME_GENERATION_TEMPERATURE="0",
+                                                  REAME_GENERATION_MAX_TOKENS="12", REAME_CACHE_ENABLED="0"))
+    ask(OneShot("a long question " * 8, system=SYSTEM), parts, None)
+    ask(OneShot("hi", system=SYSTEM, raw=True), parts, None)
+    ask(OneShot("hi", system=SYSTEM, best_of=2), parts, None)
+    assert heads_in(kv_directory) == []
