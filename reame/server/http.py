@@ -22,6 +22,7 @@ are in app.py and apis/.
 
 from __future__ import annotations
 
+import email.errors
 import hmac
 import io
 import json
@@ -109,9 +110,15 @@ class RequestReader(io.RawIOBase):
         return received
 
 
+# What the stdlib's header parser reports about a multipart body it was not given (it never is: the body is read
+# after the headers): a multipart/form-data request's well-formed headers, not a malformed header line.
+BODY_DEFECTS = (email.errors.StartBoundaryNotFoundDefect, email.errors.CloseBoundaryNotFoundDefect,
+                email.errors.MultipartInvariantViolationDefect, email.errors.NoBoundaryInMultipartDefect)
+
+
 def framing_problem(headers: Any) -> str:
     """Why a request's framing headers cannot be trusted (RFC 9112 §6, §11.2), or "" when they can."""
-    if headers.defects:
+    if any(not isinstance(defect, BODY_DEFECTS) for defect in headers.defects):
         return "malformed header line (whitespace before a header's colon, or no colon)"
     if any("\n" in value or "\r" in value for value in headers.values()):
         return "a header value folded over lines (obs-fold) is not accepted"

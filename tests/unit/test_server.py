@@ -522,6 +522,24 @@ def test_well_framed_requests_are_read(live, header):
         connection.close()
 
 
+@pytest.mark.parametrize("content_type", [b"multipart/form-data; boundary=----x", b"multipart/form-data",
+                                          b"multipart/mixed; boundary=b"])
+def test_a_multipart_requests_headers_are_well_formed(live, content_type):
+    """The stdlib's header parser flags a multipart content type without its body (`curl -F`, the openai SDK's
+    files.create): the request is answered for what it is (no route takes a multipart body yet: 415), not refused
+    as a malformed header and closed."""
+    body = b"------x\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n------x--\r\n"
+    connection = RawConnection(live.port)
+    try:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: " + content_type + \
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        code, answer, response = connection.exchange(head + body)
+        assert code == 415 and json.loads(answer)["error"]["code"] == "unsupported_media_type", answer
+        assert response.getheader("Connection") != "close"
+    finally:
+        connection.close()
+
+
 def test_a_chunked_body_over_the_limit_is_413(engine):
     server = Live(engine, max_body_bytes=1000)
     connection = RawConnection(server.port)
