@@ -48,8 +48,8 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
                                   max_answer_tokens=server.max_answer_tokens) if serving else {}
     try:
         speculation = new_speculation(backend, settings, serving) if speculate else None
-        return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint()), speculation=speculation,
-                      owns_backend=frees_backend, warm_up=warm_up, **limits)
+        return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint(), serving),
+                      speculation=speculation, owns_backend=frees_backend, warm_up=warm_up, **limits)
     except BaseException:
         backend.close()
         raise
@@ -139,7 +139,8 @@ def load_draft_model(name: str, target: LlamaBackend, min_probability: float) ->
     return source
 
 
-def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
+def prefix_cache(settings: Settings, fingerprint: bytes, serving: bool) -> PrefixCache | None:
+    """The prefix cache the settings ask for; `serving`: it verifies its newest files at start (PrefixCache)."""
     options = settings.cache
     if not options.enabled:
         return None
@@ -155,7 +156,8 @@ def prefix_cache(settings: Settings, fingerprint: bytes) -> PrefixCache | None:
     try:
         return PrefixCache(fingerprint, options.directory, disk_budget_bytes=options.disk_budget_bytes,
                            ram_budget_bytes=options.ram_budget_bytes, block_tokens=options.block_tokens,
-                           min_new_tokens=options.min_new_tokens, compress=options.compress, remote=remote)
+                           min_new_tokens=options.min_new_tokens, compress=options.compress, remote=remote,
+                           verify_newest=serving)
     except OSError as error:  # a cache is a speed-up: without its directory, serve on without it
         log.warning("the prefix cache is off: cannot use its directory %s (%s); set cache.dir to a writable "
                     "directory", options.directory, error.strerror or error)

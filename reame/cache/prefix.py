@@ -87,8 +87,11 @@ class PrefixCache:
 
     def __init__(self, fingerprint: bytes, directory: Path | None = None, disk_budget_bytes: int = 2 << 30,
                  ram_budget_bytes: int = 256 << 20, block_tokens: int = 32, min_new_tokens: int = 64,
-                 compress: bool = True, remote: RemoteKV | None = None) -> None:
-        """`remote`: the fleet's shared tier, which the cache then owns (closes)."""
+                 compress: bool = True, remote: RemoteKV | None = None, verify_newest: bool = True) -> None:
+        """`remote`: the fleet's shared tier, which the cache then owns (closes). `verify_newest`: check the newest
+        files (as many as the RAM tier holds) on the writer thread at start, so that a server's first restores
+        skip it; a process that answers one prompt and exits (a one-shot) checks only the file it restores,
+        instead of reading up to cache.ram_mb of files while it decodes and waiting for that at its exit."""
         self.fingerprint = fingerprint
         self.remote = remote
         self.block_tokens = max(1, block_tokens)
@@ -109,6 +112,7 @@ class PrefixCache:
         self._engine_idle: threading.Event | None = None  # the engine's: set while nothing decodes
         self._writer: threading.Thread | None = None
         self._verified_newest = threading.Event()
+        self._verifies_newest = verify_newest
         if self._disk is not None:
             self._index(self._disk.entries)
             self._writer = threading.Thread(target=self._write_loop, name="reame-cache-writer", daemon=True)
@@ -385,7 +389,7 @@ class PrefixCache:
         except (AttributeError, OSError):
             pass
         try:
-            for name in self._disk.newest(self.ram_budget_bytes):
+            for name in self._disk.newest(self.ram_budget_bytes) if self._verifies_newest else ():
                 if not self._disk.verify(name):
                     with self._lock:
                         self._forget(name, from_disk=False)

@@ -122,6 +122,28 @@ def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_
     assert cache().wait_verified(0), "without a disk tier there is nothing to verify"
 
 
+def test_a_one_shots_cache_reads_no_file_at_start_and_checks_the_one_it_restores(tmp_path, monkeypatch):
+    """A process that answers one prompt and exits does not read cache.ram_mb of files while it decodes, nor
+    wait for that at its close; a damaged file is still caught when it is restored."""
+    first = cache(tmp_path, compress=False)
+    good, bad = tuple(range(20)), tuple(range(100, 120))
+    first.offer(Snapshot(good, blob(good)))
+    first.offer(Snapshot(bad, blob(bad)))
+    first.close()
+    damaged = next(path for path in tmp_path.glob("*.kvs") if bytes(blob(bad)[:40]) in path.read_bytes())
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 1
+    damaged.write_bytes(bytes(data))
+    checked = []
+    crc32 = store.zlib.crc32
+    monkeypatch.setattr(store.zlib, "crc32", lambda *args: checked.append(args) or crc32(*args))
+    one_shot = cache(tmp_path, compress=False, verify_newest=False)
+    assert one_shot.wait_verified(0) and checked == []
+    assert one_shot.lookup(list(bad) + [3]) is None and not damaged.exists()
+    assert one_shot.lookup(list(good) + [3]) == Snapshot(good, blob(good)) and len(checked) == 2
+    one_shot.close()
+
+
 def test_a_snapshot_written_for_another_fingerprint_is_never_found(tmp_path):
     mine = cache(tmp_path)
     tokens = tuple(range(20))
