@@ -135,5 +135,5 @@ def test_an_unusable_cache_directory_is_a_warning_and_the_engine_runs_without_a_
     blocker.write_text("not a directory")
     settings = from_values(config.load(None, env={"REAME_CACHE_DIR": str(blocker / "kv")}))
     with caplog.at_level("WARNING", logger="reame"):
-        assert assembly.prefix_cache(settings, b"f" * 32) is None
+        assert assembly.prefix_cache(settings, b"f" * 32, serving=True) is None
     assert "the prefix cache is off: cannot use its directory" in caplog.text
