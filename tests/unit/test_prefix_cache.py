@@ -102,7 +102,8 @@ def test_snapshots_survive_in_the_directory_for_a_new_cache(tmp_path):
     assert cache(tmp_path).stats()["snapshots"] == 1
 
 
-def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_path, monkeypatch):
+def a_good_and_a_damaged_snapshot(tmp_path):
+    """Two snapshot files written by a cache that closed, then one of them damaged: (good, bad tokens, its file)."""
     first = cache(tmp_path, compress=False)
     good, bad = tuple(range(20)), tuple(range(100, 120))
     first.offer(Snapshot(good, blob(good)))
@@ -112,6 +113,11 @@ def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_
     data = bytearray(damaged.read_bytes())
     data[-10] ^= 1
     damaged.write_bytes(bytes(data))
+    return good, bad, damaged
+
+
+def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_path, monkeypatch):
+    good, bad, damaged = a_good_and_a_damaged_snapshot(tmp_path)
     second = cache(tmp_path, compress=False)
     assert second.wait_verified(10)
     assert not damaged.exists() and second.stats()["corrupt_dropped"] == 1
@@ -125,15 +131,7 @@ def test_a_new_cache_verifies_its_newest_snapshots_and_forgets_damaged_ones(tmp_
 def test_a_one_shots_cache_reads_no_file_at_start_and_checks_the_one_it_restores(tmp_path, monkeypatch):
     """A process that answers one prompt and exits does not read cache.ram_mb of files while it decodes, nor
     wait for that at its close; a damaged file is still caught when it is restored."""
-    first = cache(tmp_path, compress=False)
-    good, bad = tuple(range(20)), tuple(range(100, 120))
-    first.offer(Snapshot(good, blob(good)))
-    first.offer(Snapshot(bad, blob(bad)))
-    first.close()
-    damaged = next(path for path in tmp_path.glob("*.kvs") if bytes(blob(bad)[:40]) in path.read_bytes())
-    data = bytearray(damaged.read_bytes())
-    data[-10] ^= 1
-    damaged.write_bytes(bytes(data))
+    good, bad, damaged = a_good_and_a_damaged_snapshot(tmp_path)
     checked = []
     crc32 = store.zlib.crc32
     monkeypatch.setattr(store.zlib, "crc32", lambda *args: checked.append(args) or crc32(*args))
