@@ -189,8 +189,8 @@ def answer(one_shot: OneShot, settings: Settings, model: ModelSettings, startup:
             n_ctx = context_for(len(tokens), params.max_tokens, model.n_ctx)
             model = dataclasses.replace(model, n_ctx=n_ctx, n_batch=min(model.n_batch, n_ctx),
                                         n_ubatch=min(model.n_ubatch, n_ctx))
-        head = head_length(loaded, one_shot, params, tokens) if heads_apply(settings, one_shot, len(tokens)) \
-            and templated else 0
+        head = head_length(loaded, one_shot, params, tokens) \
+            if templated and heads_apply(settings, one_shot, len(tokens)) else 0
         backend = answering.open_context(model, loaded)
     except BaseException:
         loaded.close()
@@ -216,7 +216,7 @@ def answer(one_shot: OneShot, settings: Settings, model: ModelSettings, startup:
         startup.mark("answered")
         if not one_shot.quiet:
             print(stats_line(finish), file=err)
-    if heads is not None and head and restored is None:
+    if heads is not None and restored is None:
         keep_head(heads, backend, tokens[:head])
     return 0
 
@@ -251,7 +251,7 @@ def keep_head(heads: TemplateHeads, backend: LlamaBackend, head: list[int]) -> N
     there, or the sequence is empty and nothing is written)."""
     from reame.cache.store import Snapshot
     if backend.seq_pos_max(0) >= len(head) - 1 and backend.seq_rm(0, len(head)):
-        heads.keep(Snapshot(tuple(head), bytes(backend.seq_state_get(0))))
+        heads.keep(Snapshot(tuple(head), backend.seq_state_get(0)))
 
 
 def print_cached(cached: CachedAnswer, quiet: bool, out: TextIO, err: TextIO) -> int:

@@ -22,13 +22,13 @@ past HEADS_BUDGET_BYTES. A damaged, foreign or planted file is removed and the p
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from reame.cache.prefix import snapshot_name
-from reame.cache.store import SUFFIX, Snapshot, decode, encode_parts, enforce_budget, write_atomically
+from reame.cache.store import (SUFFIX, Snapshot, decode, encode_parts, enforce_budget, map_copy_on_write,
+                               write_atomically)
 from reame.errors import CacheError
 from reame.files import private_directory
 
@@ -57,14 +57,16 @@ class TemplateHeads:
         return self.directory / (snapshot_name(self.fingerprint, tokens) + SUFFIX)
 
     def find(self, tokens: Sequence[int]) -> Snapshot | None:
-        """The head holding exactly `tokens`, if one was written; a file that is not one is removed."""
+        """The head holding exactly `tokens`, if one was written; a file that is not one is removed (one larger
+        than all heads may be before its checksum is read)."""
         path = self._path(tokens)
         try:
-            with path.open("rb") as stream:
-                data = mmap.mmap(stream.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):  # none (the usual miss), unreadable, or empty
+            data, status = map_copy_on_write(path)
+        except OSError:  # none (the usual miss), or unreadable
             return None
         try:
+            if status.st_size > HEADS_BUDGET_BYTES:
+                raise CacheError("it is larger than all template heads may be")
             snapshot = decode(data, self.fingerprint)
             if snapshot.tokens != tuple(tokens):
                 raise CacheError("it holds other tokens")

@@ -315,13 +315,10 @@ class DiskStore:
         return chosen
 
     def _map(self, name: str) -> tuple[bytes | mmap.mmap, FileIdentity] | None:
-        """A file mapped copy-on-write (the checksum and llama.cpp read the page cache directly, with no
-        copy of it) and its identity; None when it is gone or unreadable."""
+        """`map_copy_on_write` of a snapshot file and its identity; None when it is gone or unreadable."""
         path = self.path(name)
         try:
-            with path.open("rb") as stream:
-                stat = os.fstat(stream.fileno())
-                data = mmap.mmap(stream.fileno(), stat.st_size, access=mmap.ACCESS_COPY) if stat.st_size else b""
+            data, stat = map_copy_on_write(path)
         except FileNotFoundError:
             with self._lock:
                 self.entries.pop(name, None)
@@ -418,6 +415,15 @@ class DiskStore:
 
     def _locked(self) -> FileLock:
         return FileLock(self.directory / LOCK_NAME)
+
+
+def map_copy_on_write(path: Path) -> tuple[bytes | mmap.mmap, os.stat_result]:
+    """A file mapped copy-on-write (the checksum and llama.cpp read the page cache directly, with no copy of it;
+    an empty file is b"") and its status; OSError when it cannot be opened."""
+    with path.open("rb") as stream:
+        stat = os.fstat(stream.fileno())
+        data = mmap.mmap(stream.fileno(), stat.st_size, access=mmap.ACCESS_COPY) if stat.st_size else b""
+    return data, stat
 
 
 def remove_abandoned_writes(directory: Path) -> None:

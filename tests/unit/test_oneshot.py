@@ -225,3 +225,17 @@ def test_no_head_with_the_kv_cache_off_for_a_long_prompt_a_raw_one_or_best_of(kv
     ask(OneShot("hi", system=SYSTEM, raw=True), parts, None)
     ask(OneShot("hi", system=SYSTEM, best_of=2), parts, None)
     assert heads_in(kv_directory) == []
+
+
+def test_a_planted_head_larger_than_all_heads_may_be_is_removed_unread(tmp_path, monkeypatch):
+    from reame.cache import store
+    from reame.cache.heads import HEADS_BUDGET_BYTES, TemplateHeads
+    heads = TemplateHeads(tmp_path, b"f" * 32)
+    tokens = list(range(16))
+    heads.keep(store.Snapshot(tuple(tokens), b"state"))
+    [path] = heads_in(tmp_path)
+    with path.open("r+b") as planted:
+        planted.truncate(HEADS_BUDGET_BYTES + 1)  # sparse: nothing is written
+    checksummed = []
+    monkeypatch.setattr(store.zlib, "crc32", lambda *args: checksummed.append(args) or 0)
+    assert heads.find(tokens) is None and not path.exists() and checksummed == []
