@@ -115,7 +115,8 @@ KEYS: tuple[Key, ...] = (
     Key("server.web_page", "bool", True, "serve the built-in web page at / (chat and dashboard); false = 404"),
     Key("server.allow_pull", "bool", False, "let clients fetch catalog models to this machine with Ollama's "
         "/api/pull (gigabytes of disk each); false = 403"),
-    Key("cache.enabled", "bool", True, "keep prompts' KV in the persistent prefix cache (and one-shots' template heads) and restore it"),
+    Key("cache.enabled", "bool", True,
+        "keep prompts' KV in the persistent prefix cache (and one-shots' template heads) and restore it"),
     Key("cache.dir", "str", "", "prefix cache directory, shared by processes; empty = $REAME_CACHE/kv"),
     Key("cache.disk_mb", "float", 4096, "most MiB of snapshots in cache.dir (least recently used go first)",
         minimum=1),
