@@ -115,6 +115,15 @@ KEYS: tuple[Key, ...] = (
     Key("server.web_page", "bool", True, "serve the built-in web page at / (chat and dashboard); false = 404"),
     Key("server.allow_pull", "bool", False, "let clients fetch catalog models to this machine with Ollama's "
         "/api/pull (gigabytes of disk each); false = 403"),
+    Key("server.batches", "bool", True, "serve OpenAI's Files and Batch APIs (/v1/files, /v1/batches): JSONL files "
+        "of requests answered in the server's idle time, surviving a restart; false = 404"),
+    Key("server.batch_dir", "str", "", "where batches and their files live; empty = $REAME_CACHE/batches"),
+    Key("server.batch_storage_mb", "float", 1024, "most MiB all batch files may take together (inputs, outputs, "
+        "error files); an upload past it gets 413", minimum=0),
+    Key("server.batch_max_lines", "int", 50000, "most requests one batch's input file may hold; more gets 400",
+        minimum=1),
+    Key("server.batch_concurrency", "int", 1, "batch requests answered at once, each only while no interactive "
+        "request waits and a slot is free; 0 = one less than the first model's slots (at least 1)", minimum=0),
     Key("cache.enabled", "bool", True,
         "keep prompts' KV in the persistent prefix cache (and one-shots' template heads) and restore it"),
     Key("cache.dir", "str", "", "prefix cache directory, shared by processes; empty = $REAME_CACHE/kv"),

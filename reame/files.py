@@ -13,6 +13,7 @@ import array
 import fcntl
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -46,6 +47,23 @@ def read_private(path: Path, limit: int) -> bytes:
     for a missing file)."""
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as stream:
         return stream.read(limit)
+
+
+def write_file_atomically(path: Path, data: bytes | memoryview) -> None:
+    """`data` as the private file `path`, whole or not at all, durable once this returns: written to a new
+    temp file beside it, fsynced, renamed over `path`, the directory fsynced."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    temporary.unlink(missing_ok=True)  # a leftover of this same process and thread (it died mid-write)
+    try:
+        with create_private(temporary) as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+        fsync_directory(path.parent)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def fsync_directory(directory: Path) -> None:

@@ -23,7 +23,7 @@ from reame.model.backend import ModelSettings
 from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.native import cache_root
-from reame.server.settings import ServerSettings
+from reame.server.settings import BatchLimits, ServerSettings
 from reame.server.models import FOREVER, ModelFacts, ModelPool, ServedModel
 from reame.server.run import serve
 from reame.server.sessions import Sessions
@@ -34,8 +34,13 @@ log = logging.getLogger("reame")
 OVERHEAD_BYTES = 64 << 20  # what a loaded model takes beyond its weights and KV, at least: compute buffers
 
 
-def server_settings(settings: Settings) -> ServerSettings:
+def server_settings(settings: Settings, first_model: str = "", slots: int = 1) -> ServerSettings:
+    """The HTTP server's settings; `first_model`'s name makes the default batch directory (a server of another
+    model does not run its batches), `slots` are its slots, of which batch_concurrency 0 leaves one free."""
     server = settings.server
+    directory = server.batch_dir or cache_root() / "batches" / directory_name(first_model)
+    batches = BatchLimits(directory if server.batches else None, server.batch_storage_bytes, server.batch_max_lines,
+                          server.max_body_bytes, server.batch_concurrency or max(1, slots - 1))
     return ServerSettings(
         host=server.host, port=server.port, api_keys=server.api_keys, cors_origin=server.cors_origin,
         allowed_hosts=server.allowed_hosts,
@@ -45,7 +50,7 @@ def server_settings(settings: Settings) -> ServerSettings:
         node_name=header_safe(server.node_name or socket.gethostname()),
         request_log=server.request_logging, metrics=server.metrics, slots=server.slots, web_page=server.web_page,
         cache_reuse=server.cache_reuse,
-        allow_pull=server.allow_pull,
+        allow_pull=server.allow_pull, batches=batches,
         sampling=settings.generation)
 
 
@@ -99,7 +104,8 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
                  "for ever" if server.keep_alive_s < 0 else f"{server.keep_alive_s:g} s")
     pool = ModelPool(models, load, server.max_loaded_models, budget,
                      FOREVER if server.keep_alive_s < 0 else server.keep_alive_s, server.queue_timeout_s)
-    return serve(server_settings(settings), pool, embedder.close if embedder is not None else lambda: None)
+    return serve(server_settings(settings, planned[0].names[0], planned[0].model.n_seq_max), pool,
+                 embedder.close if embedder is not None else lambda: None)
 
 
 def planned_model(settings: Settings, names: list[str], path: Path, chosen: Plan) -> Planned:

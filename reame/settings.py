@@ -84,6 +84,11 @@ class ServerOptions:
     max_loaded_models: int
     models_ram_bytes: int  # 0: chosen at start
     keep_alive_s: float  # negative: never
+    batches: bool  # the Files and Batch APIs
+    batch_dir: Path | None  # None: the first model's under $REAME_CACHE/batches
+    batch_storage_bytes: int
+    batch_max_lines: int
+    batch_concurrency: int  # 0: chosen at start
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,7 @@ def from_values(values: dict[str, Value]) -> Settings:
         return values[name].value
 
     cache_dir = get("cache.dir")
+    batch_dir = get("server.batch_dir")
     answers_dir = get("cache.answers_dir")
     palimpsest_dir = get("speculative.palimpsest_dir")
     return Settings(
@@ -206,7 +212,10 @@ def from_values(values: dict[str, Value]) -> Settings:
             allow_pull=get("server.allow_pull"),
             models=model_specs(get("server.models"), values["server.models"].origin),
             max_loaded_models=get("server.max_loaded_models"), models_ram_bytes=get("server.models_ram_mb") << 20,
-            keep_alive_s=get("server.keep_alive_seconds")),
+            keep_alive_s=get("server.keep_alive_seconds"),
+            batches=get("server.batches"), batch_dir=Path(batch_dir).expanduser() if batch_dir else None,
+            batch_storage_bytes=int(get("server.batch_storage_mb") * 2**20),
+            batch_max_lines=get("server.batch_max_lines"), batch_concurrency=get("server.batch_concurrency")),
         cache=CacheOptions(
             enabled=get("cache.enabled"),
             directory=Path(cache_dir).expanduser() if cache_dir else cache_root() / "kv",

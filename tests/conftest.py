@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tests that run the CLI or a server get a prefix cache and kept answers of their own, never the user's.
 os.environ.setdefault("REAME_CACHE_DIR", tempfile.mkdtemp(prefix="reame-test-kv-"))
 os.environ.setdefault("REAME_CACHE_ANSWERS_DIR", tempfile.mkdtemp(prefix="reame-test-answers-"))
+os.environ.setdefault("REAME_SERVER_BATCH_DIR", tempfile.mkdtemp(prefix="reame-test-batches-"))
 
 
 @pytest.fixture(autouse=True)

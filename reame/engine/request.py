@@ -65,6 +65,9 @@ class GenerationRequest:
     # that the prompt has later than the slot had them are moved into place instead of prefilled (0: never).
     # The moved keys are re-rotated, not recomputed, so the answer may differ from a fresh prefill's.
     cache_reuse: int = 0
+    # Work nobody waits on (a batch's line): while another request's prompt is being prefilled, this one's
+    # rows step aside, so a person's first token does not wait on it.
+    background: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

@@ -63,7 +63,13 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
     `exact_rows`: the most rows a step may carry and still decode each row exactly as a one-row step does.
     Beside a greedy or seeded sequence, drafts keep the whole step within it, so that sequence's answer is
     the one it would have been without them; where the step is bigger anyway (several streams, a prompt
-    chunk), such a sequence drafts nothing and decodes exactly as it would without speculation."""
+    chunk), such a sequence drafts nothing and decodes exactly as it would without speculation.
+
+    Background sequences (a batch's lines) step aside while a foreground prompt is being prefilled: the step
+    carries only foreground rows, so a person's first token costs what it does on an idle server."""
+    if any(sequence.phase is Phase.PROMPT and sequence.n_fed < len(sequence.prompt)
+           and not sequence.handle.request.background for sequence in running):
+        running = [sequence for sequence in running if not sequence.handle.request.background]
     decodes = tuple(Decode(sequence, _draft_room(sequence, n_ctx_seq) if drafts_allowed else 0)
                     for sequence in running if sequence.phase is Phase.GENERATING)
     budget = n_batch - len(decodes)

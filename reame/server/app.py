@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 from reame.cache import prefix, remote
 from reame.errors import EngineUnavailable, RequestError
-from reame.server.apis import anthropic, llamacpp, llamacpp_info, ollama, openai, responses, sessions
+from reame.server.apis import anthropic, batches, llamacpp, llamacpp_info, ollama, openai, responses, sessions
+from reame.server.batches import Batches, BatchesBusy
+from reame.server.filestore import FileStore
+from reame.server.line_client import LineClient
 from reame.server.forgery import allowed_hosts, forged
-from reame.server.client import HttpError, Whole
+from reame.server.client import Client, HttpError, Whole
+from reame.server.exchange import BACKGROUND
 from reame.server.http import Handler
 from reame.server.settings import ServerSettings
 from reame.server.metrics import Metrics, Sample
@@ -31,9 +37,19 @@ class App(Service):
     def __init__(self, settings: ServerSettings, models: ModelPool, metrics: Metrics | None = None) -> None:
         super().__init__(settings, models, metrics)
         self.hosts = allowed_hosts(settings.host, settings.allowed_hosts)
+        limits = settings.batches
+        if limits.directory is not None:
+            files = FileStore(limits.directory / "files", limits.storage_bytes)
+            try:
+                self.batches = Batches(limits.directory / "batches", files, limits, self.answer_line,
+                                       self.room_for_batch_line)
+                self.files = files
+            except BatchesBusy as busy:
+                log.warning("the Files and Batch APIs are off: %s (server.batch_dir names another)", busy)
         self.metrics.collector(self.cache_samples)
         self.metrics.collector(self.speculation_samples)
         self.metrics.collector(lambda: llamacpp_info.metric_samples(self))
+        self.metrics.collector(self.batch_samples)
 
     def cache_samples(self) -> list[Sample]:
         """Each loaded model's prefix cache (and its share of a fleet's store), labelled with the model."""
@@ -50,6 +66,17 @@ class App(Service):
                         for name, text in prefix.GAUGES.items()]
             samples += [Sample(f"reame_kv_remote_{name}_total", "counter", text, labels, shared[name])
                         for name, text in remote.STATS.items() if shared]
+        return samples
+
+    def batch_samples(self) -> list[Sample]:
+        """Each unfinished batch's requests: answered, failed, and left (by batch id, never by its owner)."""
+        samples = []
+        for batch in self.batches.unfinished() if self.batches is not None else []:
+            counts = batch["request_counts"]
+            left = counts["total"] - counts["completed"] - counts["failed"]
+            for state, value in (("completed", counts["completed"]), ("failed", counts["failed"]), ("left", left)):
+                samples.append(Sample("reame_batch_requests", "gauge", "requests of each unfinished batch, by state",
+                                      {"batch": batch["id"], "state": state}, value))
         return samples
 
     def speculation_samples(self) -> list[Sample]:
@@ -95,7 +122,7 @@ class App(Service):
         route, path = ROUTER.find(handler.path.split("?", 1)[0])
         try:
             refusal = forged(handler.command, handler.headers, bool(handler.body), self.hosts,
-                             self.settings.cors_origin)
+                             self.settings.cors_origin, route is not None and route.multipart)
             if refusal is not None:
                 raise refusal
             if (route is None or not route.public) and not handler.authorized():
@@ -106,6 +133,40 @@ class App(Service):
             if handler.command not in route.methods:
                 raise HttpError(405, f"{handler.command} is not allowed here; use {' or '.join(route.methods)}",
                                 code="method_not_allowed", headers={"Allow": ", ".join(route.methods)})
+        except HttpError as error:
+            handler.discard_body()
+            answer_error(handler, route, error)
+            return
+        self.answer(route, handler, path)
+
+    def answer_line(self, owner: str, url: str, body: bytes, gone: Callable[[], bool]) -> tuple[int, Any] | None:
+        """A batch's line answered by its route, as an HTTP request of its owner would be: (status, body), or
+        None when the route gave up because `gone` said the batch no longer wants it."""
+        route, path = ROUTER.find(url)
+        assert route is not None  # batches.ENDPOINTS are routes
+        client = LineClient(path, owner, body, gone)
+        background = BACKGROUND.set(True)
+        try:
+            self.answer(route, client, path)
+        finally:
+            BACKGROUND.reset(background)
+        return None if client.status is None else (client.status, client.payload)
+
+    def room_for_batch_line(self) -> bool:
+        """Interactive requests first: a batch's line starts only while no request waits for a slot of a loaded
+        model and each has a slot free."""
+        for model in self.models.loaded():
+            engine = model.engine
+            if engine is not None:
+                waiting, busy = engine.load()
+                if waiting or busy >= engine.backend.n_seq_max:
+                    return False
+        return True
+
+    def answer(self, route: Route, handler: Handler | LineClient, path: str) -> None:
+        """Run the route for a request that passed the server's checks, and answer what it raises in the route's
+        family's error shape: an HTTP request's, or a batch's line (which has no socket to lose)."""
+        try:
             try:
                 route.handler(self, handler, path)
             finally:
@@ -164,7 +225,7 @@ class App(Service):
 
 
 
-def answer_error(handler: Handler, route: Route | None, error: HttpError) -> None:
+def answer_error(handler: Client, route: Route | None, error: HttpError) -> None:
     """The error in the shape of the route's API family (OpenAI's unless the route says otherwise)."""
     if route is not None and route.error_body is not None:
         handler.send(Whole(error.status, route.error_body(error), error.headers))
@@ -185,4 +246,5 @@ ROUTER = Router([
     *sessions.ROUTES,
     *llamacpp.ROUTES,
     *llamacpp_info.ROUTES,
+    *batches.ROUTES,
 ])

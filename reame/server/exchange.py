@@ -16,6 +16,7 @@ import queue
 import random
 import time
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +42,8 @@ ENGINE_UNAVAILABLE = "engine_unavailable"  # the error code of an answer whose m
 CACHE_OFF, CACHE_BYPASS, CACHE_MISS, CACHE_HIT, CACHE_SEMANTIC = "off", "bypass", "miss", "hit", "semantic"
 
 Gone = Callable[[], bool]  # whether the client has left
+# Set while a batch's line is answered (App.answer_line): its generations are background work for the engine.
+BACKGROUND: ContextVar[bool] = ContextVar("background", default=False)
 # A kept answer longer than this is streamed whole: an answer of server.max_answer_tokens (4,096) is tens of KB,
 # and cutting 1 MiB of text into tokens took 1.6-5.9 s and 40-110 MB on the HTTP thread (SmolLM2's vocabulary).
 REPLAY_MAX_CHARS = 64 << 10
@@ -111,6 +114,8 @@ def submit(app: Host, model: ServedModel, requests: list[GenerationRequest], sin
     `gone`); a computed cacheable answer is kept when it ends. `kind`: the shape (chat or completion, tools
     offered), part of the key. RequestError, OverloadedError as the engine raises them."""
     engine, answers = loaded(model), model.answers
+    if BACKGROUND.get():
+        requests = [dataclasses.replace(request, background=True) for request in requests]
     if not cacheable or answers is None:
         return Submitted(engine.submit_together(requests, sink), sink, CACHE_OFF if answers is None else CACHE_BYPASS)
     # Tokenized once: the key is over the tokens, and the engine gets them as they are.

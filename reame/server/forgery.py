@@ -6,7 +6,9 @@ keyless Reame on loopback, the default, would start a download or unload a model
 Three checks close that, before any route runs: the Host header must name this server (loopback names
 when it is bound to loopback, `server.allowed_hosts` otherwise), a request a browser marks with an Origin
 must come from this server's own origin or the configured CORS origin, and a request body must be declared
-JSON (a browser sends that type only after a CORS preflight, which Reame answers only when CORS is on)."""
+JSON (a browser sends that type only after a CORS preflight, which Reame answers only when CORS is on).
+An upload route (/v1/files) also takes multipart/form-data, which a form sends without a preflight: there
+the Origin check is what refuses a foreign page, and an upload runs nothing by itself."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from reame.server.client import HttpError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_TYPE = "application/json"
+MULTIPART_TYPE = "multipart/form-data"
 
 
 def host_name(value: str) -> str:
@@ -52,9 +55,12 @@ def allowed_hosts(bind_host: str, configured: Iterable[str]) -> frozenset[str] |
     return None
 
 
-def forged(method: str, headers: Message, has_body: bool, hosts: frozenset[str] | None, cors_origin: str) -> \
-        HttpError | None:
-    """Why this request may come from a page the user did not mean to ask, as the error to answer; None if not."""
+def forged(method: str, headers: Message, has_body: bool, hosts: frozenset[str] | None, cors_origin: str,
+           multipart: bool = False) -> HttpError | None:
+    """Why this request may come from a page the user did not mean to ask, as the error to answer; None if not.
+    `multipart`: the route takes uploads as multipart/form-data, which a page's form can send without a
+    preflight: such a request still needs the right Host, and its Origin (every browser sends one with a
+    form's POST) must be this server's own page or the CORS origin."""
     host = headers.get("Host", "")
     if hosts is not None and host and host_name(host) not in hosts:  # (no Host: not a browser)
         return HttpError(403, f"this server does not answer to the host name {host[:100]!r} (server.allowed_hosts "
@@ -64,7 +70,7 @@ def forged(method: str, headers: Message, has_body: bool, hosts: frozenset[str] 
         return HttpError(403, f"a request from the web page at {origin[:100]!r} is refused: only this server's "
                          "own page, or server.cors_origin, may call it", code="origin_not_allowed")
     media_type = headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
-    if has_body and method != "GET" and media_type != JSON_TYPE:
+    if has_body and method != "GET" and media_type != JSON_TYPE and not (multipart and media_type == MULTIPART_TYPE):
         return HttpError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
                          f"{media_type[:100]!r}; curl: -H 'Content-Type: application/json')",
                          code="unsupported_media_type")

@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
 from reame.server.settings import ServerSettings
-from reame.server.client import Event, Frame, Header, HttpError, Line, Opening, Whole
+from reame.server.client import Event, Frame, Header, HttpError, Line, Opening, Whole, json_body
 from reame.server.sessions import key_owner
 
 log = logging.getLogger("reame.server")
@@ -53,10 +53,6 @@ DIGITS = re.compile(r"[0-9]+")
 HEX_DIGITS = re.compile(rb"[0-9A-Fa-f]+")
 OWS = " \t"  # optional whitespace around a field value (RFC 9110 §5.6.3)
 UNLIMITED_ROUTES = ("/health",)  # answered even when every request slot is taken: what a monitor asks
-# Objects and arrays a request body may hold: every route's request is far smaller (a prompt fits a context),
-# and each parsed empty object costs ~80 bytes of RAM that Python does not give back at once (a 3 MiB body of
-# 2^20 of them added ~100 MiB to the server's RSS).
-MAX_JSON_CONTAINERS = 100_000
 
 
 class RequestReader(io.RawIOBase):
@@ -336,13 +332,7 @@ class Handler(BaseHTTPRequestHandler):
         data = self.read_body()
         if data is None:
             raise HttpError(411, "a JSON body with Content-Length is required", code="length_required")
-        if data.count(b"{") + data.count(b"[") > MAX_JSON_CONTAINERS:  # (braces in strings count too: an upper bound)
-            raise HttpError(400, f"the request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays",
-                            code="invalid_json")
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise HttpError(400, "the request body is not valid JSON", code="invalid_json") from None
+        return json_body(data)
 
     def authorized(self) -> bool:
         """Whether the request carries one of the server's keys; `owner` then names that key (sessions are

@@ -17,6 +17,7 @@ class Route:
     prefix: bool = False  # matches every path starting with `path` (the rest names a resource)
     public: bool = False  # answered without a key: nothing behind it is secret
     error_body: Callable[[Any], dict[str, Any]] | None = None  # the API family's error shape (None: OpenAI's)
+    multipart: bool = False  # takes a multipart/form-data body (an upload) as well as JSON
 
 
 class Router:

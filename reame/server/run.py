@@ -47,10 +47,14 @@ def serve(settings: ServerSettings, models: ModelPool, on_close: Callable[[], No
         models.preload(models.default)
         models.start()
         app.ready = True
+        if app.batches is not None:
+            app.batches.start()  # unfinished batches resume now that a model is there to answer them
         log.info("ready (Ctrl-C to stop)")
         stop.wait()
     finally:
         log.info("shutting down: no new requests, %g s for those in flight", settings.grace_s)
+        if app.batches is not None:
+            app.batches.close()  # lines running end unanswered: the next start runs them again
         server.shutdown()
         if not server.drain(settings.grace_s):
             log.warning("requests still running after the grace period are cancelled")

@@ -11,7 +11,9 @@ from typing import Any
 from reame.engine import FinishEvent
 from reame.engine.kv import KvStats
 from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
+from reame.server.batches import Batches
 from reame.server.conversations import Conversations
+from reame.server.filestore import FileStore
 from reame.server.exchange import ENGINE_UNAVAILABLE, embedded
 from reame.server.client import Asker, HttpError
 from reame.server.settings import ServerSettings
@@ -29,6 +31,8 @@ class Service:
         self.models = models
         self.ready = False
         self.conversations = Conversations()  # the Responses API's stored responses
+        self.files: FileStore | None = None  # the Files API's, when batches are on (App)
+        self.batches: Batches | None = None
         self.metrics = metrics or Metrics()
         self.created = int(time.time())  # what /v1/models reports: when this server started
         self.metrics.describe("reame_requests_total", "counter", "HTTP responses by status")

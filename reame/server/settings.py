@@ -5,9 +5,21 @@ them (service.py), so they live apart from both."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reame.model.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Where batches and their files live and what they may hold (server.batch_*; server/batches.py)."""
+
+    directory: Path | None = None  # None: no Batch or Files API
+    storage_bytes: int = 1 << 30  # every file together: inputs, outputs, error files
+    max_lines: int = 50_000
+    max_line_bytes: int = 1 << 20
+    concurrency: int = 1  # lines answered at once
 
 
 @dataclass(frozen=True)
@@ -35,4 +47,5 @@ class ServerSettings:
     # from its command line): temperature, top_k, top_p, min_p, repeat_penalty and the seed.
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.8, top_k=40, top_p=0.95,
                                                                             min_p=0.05, seed=42))
+    batches: BatchLimits = field(default_factory=BatchLimits)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -276,8 +276,13 @@ def message_text(content: Any, where: str) -> str:
 
 def query_model(handler: Asker) -> str | None:
     """The `?model=` of a request's path (None: none): a session's, or GET /props's."""
+    return query_value(handler, "model")
+
+
+def query_value(handler: Asker, name: str) -> str | None:
+    """The query parameter `name` of a request's path (its first value; None: none)."""
     try:
-        named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get("model")
+        named = parse_qs(handler.path.partition("?")[2], max_num_fields=16).get(name)
     except ValueError:
-        raise HttpError(400, "too many query parameters", param="model") from None
+        raise HttpError(400, "too many query parameters", param=name) from None
     return named[0] if named else None

@@ -119,7 +119,7 @@ def test_an_error_never_spoils_the_clients_next_request(client, server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
     wrong_key = client.with_options(api_key="wrong")  # shares the client's connection pool
     failing = [
-        (openai.NotFoundError, lambda: client.files.list()),
+        (openai.NotFoundError, lambda: client.files.retrieve("file-" + "0" * 24)),
         (openai.AuthenticationError, lambda: wrong_key.chat.completions.create(**chat)),
         (openai.BadRequestError, lambda: client.chat.completions.create(**dict(chat, temperature=9))),
         (openai.NotFoundError, lambda: client.post("/nowhere", body={"input": "hello"}, cast_to=object)),

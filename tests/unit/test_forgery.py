@@ -61,6 +61,13 @@ def test_each_forgery_is_named_and_everything_else_passes():
     assert code(Content_Type="application/json") is None  # no Host: HTTP/1.0, not a browser
     assert code(method="GET", body=False, Host="localhost") is None
     assert code(method="DELETE", body=False, Host="localhost") is None
+    # An upload route takes a form's multipart body, from a client or the server's own page, not another page.
+    upload = "multipart/form-data; boundary=x"
+    assert forged("POST", headers(Host="localhost", Content_Type=upload), True, hosts, "", multipart=True) is None
+    assert forged("POST", headers(Host="localhost", Origin="http://evil.example", Content_Type=upload), True, hosts,
+                  "", multipart=True).code == "origin_not_allowed"
+    assert forged("POST", headers(Host="localhost", Content_Type="text/plain"), True, hosts, "",
+                  multipart=True).code == "unsupported_media_type"
 
 
 def test_a_rebinding_page_and_a_cross_site_post_get_403_and_the_own_page_is_answered(live):

@@ -526,7 +526,7 @@ def test_well_framed_requests_are_read(live, header):
                                           b"multipart/mixed; boundary=b"])
 def test_a_multipart_requests_headers_are_well_formed(live, content_type):
     """The stdlib's header parser flags a multipart content type without its body (`curl -F`, the openai SDK's
-    files.create): the request is answered for what it is (no route takes a multipart body yet: 415), not refused
+    files.create): the request is answered for what it is (/v1/completions takes JSON only: 415), not refused
     as a malformed header and closed."""
     body = b"------x\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n------x--\r\n"
     connection = RawConnection(live.port)

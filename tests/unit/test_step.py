@@ -10,10 +10,11 @@ from reame.engine.step import Decode, PromptChunk, StepPlan, Stepper, plan_step
 from tests.fakes.backend import FakeBackend
 
 
-def sequence(prompt_length, seq_id=0, fed=0, phase=Phase.PROMPT, generated=(), draftings=(), max_tokens=100):
+def sequence(prompt_length, seq_id=0, fed=0, phase=Phase.PROMPT, generated=(), draftings=(), max_tokens=100,
+             background=False):
     prompt = list(range(1, prompt_length + 1))
-    running = Running(Handle(GenerationRequest(prompt, SamplingParams()), prompt), Slot(seq_id), object(),
-                      max_tokens, seq_id)
+    running = Running(Handle(GenerationRequest(prompt, SamplingParams(), background=background), prompt),
+                      Slot(seq_id), object(), max_tokens, seq_id)
     running.n_fed, running.phase = fed, phase
     running.generated_tokens = list(generated)
     running.draftings = list(draftings)
@@ -32,6 +33,19 @@ def test_generating_sequences_decode_first_and_prompts_share_the_room_left_in_ch
     alone = plan_step([long_prompt, next_prompt], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=128,
                       drafts_allowed=True)
     assert alone == StepPlan((), (PromptChunk(long_prompt, 0, 500), PromptChunk(next_prompt, 0, 12)))
+
+
+def test_background_sequences_step_aside_while_a_foreground_prompt_is_prefilled():
+    batch_line = sequence(10, 0, fed=12, phase=Phase.GENERATING, generated=[5, 6], background=True)
+    batch_prompt = sequence(40, 1, background=True)
+    person = sequence(30, 2)
+    plan = plan_step([batch_line, batch_prompt, person], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=128,
+                     drafts_allowed=True)
+    assert plan == StepPlan((), (PromptChunk(person, 0, 30),))
+    person.n_fed, person.phase, person.next_token = 31, Phase.GENERATING, 7  # its prompt is in: all share steps
+    plan = plan_step([batch_line, batch_prompt, person], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=128,
+                     drafts_allowed=True)
+    assert plan == StepPlan((Decode(batch_line, 0), Decode(person, 0)), (PromptChunk(batch_prompt, 0, 40),))
 
 
 def test_a_plan_asks_for_drafts_only_within_the_answers_and_the_contexts_room():
