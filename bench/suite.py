@@ -68,6 +68,8 @@ SUITE = (
           ("--model", "all-minilm-l6-v2"), needs=("native",)),
     Bench("workload", "The jobs users run, over two nights: triage, questions over a document, code completion",
           (), ("--concurrency", "1", "--tickets", "16", "--questions", "8", "--steps", "6")),
+    Bench("batches", "A nightly triage job as an OpenAI batch vs llama-server, and a person's first token during it",
+          (), ("--model", "smollm2-135m", "--lines", "40")),
     Bench("structured", "Structured output and Il Suggeritore vs llama-server's json_schema", (),
           ("--reps", "1")),
     Bench("conclave", "The Conclave: best-of-5 on an extraction exam", (), ("--exam", "8", "--timed", "1")),
