@@ -42,7 +42,6 @@ BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_RECORD_BYTES = 1 << 16
-MAX_METADATA_PAIRS = 16
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 WAIT_S = 0.05  # how often an idle worker looks again for room (interactive requests may have ended)
 RETRIED_STATUSES = (429, 503)  # answers that say "not now", not "no": the line is run again later
@@ -153,16 +152,20 @@ def _custom_id_of(raw: bytes) -> str | None:
 
 def error_entry(index: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
     """An error-file line for a request that got no answer."""
-    return {"index": index, "record": {"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
-                                       "response": None, "error": {"code": code, "message": message}}}
+    return _entry(index, custom_id, None, {"code": code, "message": message})
 
 
 def answer_entry(index: int, custom_id: str, status: int, body: Any) -> dict[str, Any]:
     """An output-file line (2xx) or an error-file line (any other status) for an answered request."""
+    return _entry(index, custom_id, {"status_code": status, "request_id": "req_" + secrets.token_hex(12),
+                                     "body": body}, None)
+
+
+def _entry(index: int, custom_id: str | None, response: dict[str, Any] | None,
+           error: dict[str, str] | None) -> dict[str, Any]:
+    """A journal entry: the input line's index and its record, as OpenAI's output and error files write it."""
     return {"index": index, "record": {"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
-                                       "response": {"status_code": status,
-                                                    "request_id": "req_" + secrets.token_hex(12), "body": body},
-                                       "error": None}}
+                                       "response": response, "error": error}}
 
 
 def is_output(entry: dict[str, Any]) -> bool:

@@ -87,11 +87,6 @@ class FileStore:
         valid = FILE_ID.fullmatch(record.id) and path.name == record.id + RECORD_SUFFIX and size == record.bytes
         return record if valid else None
 
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return sum(record.bytes for record in self._records.values())
-
     def create(self, owner: str, data: bytes, filename: str, purpose: str) -> FileRecord:
         """A new file holding `data`; 413 past the budget."""
         record = FileRecord("file-" + secrets.token_hex(12), len(data), int(time.time()),

@@ -157,12 +157,16 @@ def test_bad_uploads_and_batch_requests_get_a_clear_4xx(batch_server):
                         ({"input_file_id": uploaded["id"], "endpoint": "/v1/models"}, "endpoint"),
                         ({"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
                           "completion_window": "1h"}, "completion_window"),
-                        ({"input_file_id": ["x"]}, "input_file_id")]:
+                        ({"input_file_id": ["x"]}, "input_file_id"),
+                        ({"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                          "metadata": {str(n): "v" for n in range(17)}}, "metadata")]:
         status, answer = batch_server.json("POST", "/v1/batches", body)
         assert 400 <= status < 500 and answer["error"]["param"] == param, (body, answer)
     assert batch_server.json("GET", "/v1/batches/batch_../../etc")[0] == 404
     assert batch_server.json("GET", "/v1/files/../../etc/passwd")[0] == 404
     assert batch_server.json("GET", "/v1/batches?limit=0")[0] == 400
+    for limit in ("9" * 5000, "%C2%B2", "-1"):  # past int()'s digits, a superscript digit, a sign
+        assert batch_server.json("GET", f"/v1/files?limit={limit}")[0] == 400
 
 
 def test_an_upload_past_the_storage_budget_is_refused(engine, tmp_path):

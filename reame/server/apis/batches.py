@@ -4,17 +4,19 @@ made them. The batches themselves run in server/batches.py."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from reame.server import multipart
 from reame.server.batches import Batches
 from reame.server.client import Asker, HttpError, Whole
 from reame.server.filestore import FileStore
+from reame.server.apis.responses import checked_metadata
 from reame.server.routes import Route
 from reame.server.service import Service
 from reame.server.validation import Fields, query_value
 
-MAX_METADATA_PAIRS = 16
+LIMIT = re.compile(r"[0-9]{1,5}")  # a page's size: ASCII digits only (int() of a long one raises)
 
 
 def file_store(app: Service) -> FileStore:
@@ -88,8 +90,9 @@ def batches(app: Service, handler: Asker, _path: str) -> None:
     if not isinstance(endpoint, str) or not isinstance(window, str):
         raise HttpError(400, "'endpoint' and 'completion_window' must be strings", param="endpoint",
                         code="invalid_value")
-    handler.send(Whole(200, runs.create(handler.owner, input_file_id, endpoint, window,
-                                        metadata(fields.body.get("metadata")))))
+    metadata = fields.body.get("metadata")
+    checked_metadata(metadata)
+    handler.send(Whole(200, runs.create(handler.owner, input_file_id, endpoint, window, metadata)))
 
 
 def one_batch(app: Service, handler: Asker, path: str) -> None:
@@ -104,22 +107,10 @@ def one_batch(app: Service, handler: Asker, path: str) -> None:
         raise HttpError(404, f"unknown endpoint: {handler.command} {path[:200]}", code="not_found")
 
 
-def metadata(value: Any) -> dict[str, str] | None:
-    """OpenAI's metadata: at most 16 pairs, keys of 64 characters, values of 512."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS or not all(
-            isinstance(key, str) and isinstance(item, str) and len(key) <= 64 and len(item) <= 512
-            for key, item in value.items()):
-        raise HttpError(400, "'metadata' must be an object of at most 16 string pairs (keys up to 64 characters, "
-                        "values up to 512)", param="metadata", code="invalid_value")
-    return value
-
-
 def send_page(handler: Asker, items: list[dict[str, Any]]) -> None:
     """A list as OpenAI pages it: `limit` (1-10,000) items after the id `after`."""
     limit_text = query_value(handler, "limit") or "20"
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 10_000:
+    if not LIMIT.fullmatch(limit_text) or not 1 <= int(limit_text) <= 10_000:
         raise HttpError(400, "'limit' must be an integer from 1 to 10000", param="limit", code="invalid_value")
     after = query_value(handler, "after")
     if after is not None:
