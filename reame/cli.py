@@ -231,6 +231,37 @@ def command_warm(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def command_batch(args: argparse.Namespace, settings: Settings) -> int:
+    """An OpenAI batch input file answered by the server's own batch runner; a summary on stdout."""
+    from reame.batch_file import Progress, result_paths, run_batch_file
+    from reame.node import node_of
+    source = Path(args.file)
+    destinations = result_paths(source, args.output, args.errors)
+    path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
+    node = node_of(settings, path, entry, model_choice.plan(settings, path, entry))
+    try:
+        outcome = run_batch_file(node.models, node.settings, source, args.endpoint, destinations,
+                                 (lambda _batch: None) if args.quiet else Progress())
+    except KeyboardInterrupt:
+        print("reame: interrupted: the same command goes on where this one stopped", file=sys.stderr)
+        return EXIT_RUNTIME
+    finally:
+        node.models.close()
+        node.close_shared()
+    batch, counts = outcome.batch, outcome.batch["request_counts"]
+    if args.json:
+        print(json.dumps({"batch": batch["id"], "status": batch["status"], **counts,
+                          "output": str(outcome.output) if outcome.output else None,
+                          "errors": str(outcome.errors) if outcome.errors else None,
+                          "seconds": round(outcome.seconds, 3)}))
+    else:
+        files = [f"{path}: {count} {what}{'s' * (count != 1)}" for path, count, what in
+                 ((outcome.output, counts["completed"], "answer"), (outcome.errors, counts["failed"], "error")) if path]
+        print(f"{batch['id']} {batch['status']} in {outcome.seconds:.1f} s: "
+              + (" · ".join(files) or "nothing written"))
+    return EXIT_OK if outcome.whole else EXIT_RUNTIME
+
+
 def read_text_file(name: str) -> str:
     try:
         text = Path(name).read_text(encoding="utf-8")
@@ -326,10 +357,11 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_pull(args)
         config_mode = args.command is None and (args.serve or args.prompt is not None or args.print_config
                                                  or args.config)
-        if args.command not in ("run", "warm", "arca") and not config_mode:
+        if args.command not in ("run", "warm", "arca", "batch") and not config_mode:
             print(hints())
             return EXIT_OK
-        choice = config.choose_config(args.config, search=True) if config_mode else None
+        # config mode and batches read the config file a server would (and want a model without one)
+        choice = config.choose_config(args.config, search=True) if config_mode or args.command == "batch" else None
         settings = load_settings(args, choice)
         if not quiet:
             configure_logging(LOG_LEVELS[settings.log_level])
@@ -339,6 +371,8 @@ def main(argv: Sequence[str] | None = None, began: float | None = None) -> int:
             return command_warm(args, settings)
         if args.command == "arca":
             return command_arca(settings, args.check_aof, args.fix)
+        if args.command == "batch":
+            return command_batch(args, settings)
         assert choice is not None  # config mode: the command line names no subcommand
         return command_config_mode(args, settings, choice)
     except USER_ERRORS as error:

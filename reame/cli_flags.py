@@ -127,6 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--ctx", type=positive_int, help="context length in tokens (chosen for host and model)")
     warm.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type (chosen for the host)")
 
+    batch = commands.add_parser(
+        "batch", help="answer an OpenAI batch input file (JSONL) on this machine",
+        description="Answer every request of an OpenAI Batch API input file (a JSON object per line: custom_id, "
+                    "method, url, body) as a server's /v1/batches would, with progress on stderr. The answers go to "
+                    "FILE.output.jsonl, the errors to FILE.errors.jsonl. Stopped (Ctrl-C, a reboot), the same "
+                    "command goes on where it stopped.")
+    batch.add_argument("file", metavar="FILE.jsonl", help="the batch input file")
+    batch.add_argument("--model", "-m", help="a catalog name or a path to a .gguf file (default: the config "
+                                             f"file's model, else {catalog.DEFAULT_MODEL})")
+    batch.add_argument("--output", "-o", metavar="FILE", help="where the answers go (FILE.output.jsonl)")
+    batch.add_argument("--errors", metavar="FILE", help="where the errors go (FILE.errors.jsonl)")
+    batch.add_argument("--endpoint", metavar="URL", help="the endpoint every line is for (default: the first line's "
+                                                         "url): /v1/chat/completions, /v1/completions, ...")
+    batch.add_argument("--json", action="store_true", help="the summary as a JSON object on stdout")
+    add_common_flags(batch, default=argparse.SUPPRESS)
+    batch.add_argument("--threads", type=positive_int, help="CPU threads (chosen for this host)")
+    batch.add_argument("--ctx", type=positive_int, help="context length in tokens (chosen for host and model)")
+    batch.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type (chosen for the host)")
+
     arca = commands.add_parser("arca", help="the Redis-protocol daemon: exact answer cache and shared corpus",
                                description="Serve ARCA, a Redis-protocol store (redis-cli and redis-py work with "
                                            "it) that Reame servers share: exact answers and the Palimpsest corpus.")
@@ -156,6 +175,7 @@ def hints() -> str:
         f"reame {__version__} (llama.cpp {LLAMA_COMMIT}): CPU-first LLM inference",
         f'  reame run {catalog.DEFAULT_MODEL} "prompt"   answer once; reame list shows the models',
         "  reame run MODEL                   chat",
+        "  reame batch FILE.jsonl            answer an OpenAI batch file (FILE.output.jsonl)",
         "  reame --serve                     serve the API: ./config/reame.conf's model, or the first config",
         "                                    found (reame --print-config --serve says which)",
         "  reame --help                      every command and option"])

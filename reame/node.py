@@ -11,7 +11,7 @@ import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import Callable, TypedDict, cast
 
 from reame import autoconfig, catalog, gguf
 from reame.assembly import new_engine, semantic_caches
@@ -69,8 +69,24 @@ class Planned:
     model: ModelSettings
 
 
+@dataclass
+class Node:
+    """What serving needs: the models (loaded on demand), the HTTP server's settings, and what closes the
+    things the models share (the semantic cache's embedding model) once every model is unloaded."""
+
+    models: ModelPool
+    settings: ServerSettings
+    close_shared: Callable[[], None]
+
+
 def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> int:
     """Listen, load the first model, serve it and the others server.models names until a signal."""
+    node = node_of(settings, path, entry, chosen)
+    return serve(node.settings, node.models, node.close_shared)
+
+
+def node_of(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> Node:
+    """The first model and the others server.models names, planned, with their caches and sessions; none loaded."""
     server = settings.server
     planned = with_others(settings, [planned_model(settings, names_of(server.model_id, path, entry), path, chosen)])
     tiers = answer_tiers(settings, ram=True)
@@ -104,8 +120,8 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
                  "for ever" if server.keep_alive_s < 0 else f"{server.keep_alive_s:g} s")
     pool = ModelPool(models, load, server.max_loaded_models, budget,
                      FOREVER if server.keep_alive_s < 0 else server.keep_alive_s, server.queue_timeout_s)
-    return serve(server_settings(settings, planned[0].names[0], planned[0].model.n_seq_max), pool,
-                 embedder.close if embedder is not None else lambda: None)
+    return Node(pool, server_settings(settings, planned[0].names[0], planned[0].model.n_seq_max),
+                embedder.close if embedder is not None else lambda: None)
 
 
 def planned_model(settings: Settings, names: list[str], path: Path, chosen: Plan) -> Planned:

@@ -69,7 +69,8 @@ class App(Service):
         return samples
 
     def batch_samples(self) -> list[Sample]:
-        """Each unfinished batch's requests: answered, failed, and left (by batch id, never by its owner)."""
+        """Each unfinished batch's requests (answered, failed, left) and its estimate of the time left, by batch id
+        (never by its owner)."""
         samples = []
         for batch in self.batches.unfinished() if self.batches is not None else []:
             counts = batch["request_counts"]
@@ -77,6 +78,9 @@ class App(Service):
             for state, value in (("completed", counts["completed"]), ("failed", counts["failed"]), ("left", left)):
                 samples.append(Sample("reame_batch_requests", "gauge", "requests of each unfinished batch, by state",
                                       {"batch": batch["id"], "state": state}, value))
+            if batch["estimated_seconds_left"] is not None:
+                samples.append(Sample("reame_batch_seconds_left", "gauge", "an unfinished batch's seconds left at "
+                                      "its pace so far", {"batch": batch["id"]}, batch["estimated_seconds_left"]))
         return samples
 
     def speculation_samples(self) -> list[Sample]:

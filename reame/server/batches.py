@@ -73,6 +73,8 @@ class Batch:
     running: int = 0
     completed: int = 0
     failed: int = 0
+    pace_since: float | None = None  # when this process started its first line (monotonic seconds)
+    done_before: int = 0  # lines done by then: the pace counts only the lines this process answered
 
     @property
     def id(self) -> str:
@@ -83,8 +85,18 @@ class Batch:
         return str(self.fields["status"])
 
     def public(self) -> dict[str, Any]:
+        """OpenAI's batch object, with Reame's estimate of the seconds left (None when it has none)."""
         counts = {"total": self.fields["request_counts"]["total"], "completed": self.completed, "failed": self.failed}
-        return {**self.fields, "request_counts": counts}
+        return {**self.fields, "request_counts": counts, "estimated_seconds_left": self.seconds_left()}
+
+    def seconds_left(self) -> int | None:
+        """The lines left at the pace of the lines this process has answered so far (time spent stepping
+        aside for interactive requests included): None before the first one, or once the batch is not running."""
+        answered = len(self.done) - self.done_before
+        if self.status != "in_progress" or self.pace_since is None or answered < 1:
+            return None
+        left = self.fields["request_counts"]["total"] - len(self.done)
+        return max(min(left, 1), round(left * (time.monotonic() - self.pace_since) / answered))  # never "0 s" early
 
 
 def parse_lines(data: bytes, endpoint: str, limits: BatchLimits) -> tuple[list[Line], list[dict[str, Any]]]:
@@ -249,6 +261,13 @@ class Batches:
             batches = [batch.public() for batch in self._batches.values() if batch.owner == owner]
         return sorted(batches, key=lambda fields: (-fields["created_at"], fields["id"]))
 
+    def wait(self, owner: str, batch_id: str, seconds: float) -> dict[str, Any]:
+        """The batch object once a line is answered or the batch changes, or after `seconds`."""
+        with self._changed:
+            self._owned(owner, batch_id)
+            self._changed.wait(seconds)
+            return self._owned(owner, batch_id).public()
+
     def unfinished(self) -> list[dict[str, Any]]:
         """Every owner's batches still running, for the metrics."""
         with self._changed:
@@ -299,6 +318,7 @@ class Batches:
                 batch.completed += 1
             else:
                 batch.failed += 1
+            self._changed.notify_all()
 
     def _entries(self, batch_id: str) -> list[dict[str, Any]]:
         """The journal's entries; a line torn by a crash mid-append is cut off the file."""
@@ -386,6 +406,8 @@ class Batches:
                     return None
                 batch = self._next_batch()
                 if batch is not None and self.may_start():
+                    if batch.pace_since is None:
+                        batch.pace_since, batch.done_before = time.monotonic(), len(batch.done)
                     batch.running += 1
                     return batch, batch.pending.pop(0)
                 expired = self._expire_overdue()

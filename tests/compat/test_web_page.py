@@ -1,10 +1,11 @@
 """The built-in web page in a real browser (Debian's chromium and chromium-driver, driven by selenium):
-against a live SmolLM2 server with an API key, a FakeBackend server whose answer is HTML, and one of two
-FakeBackend models.
+against a live SmolLM2 server with an API key, a FakeBackend server whose answer is HTML, one of two
+FakeBackend models, and a FakeBackend server running a batch uploaded from the page.
 Screenshots go to build/test-artifacts/ (REAME_TEST_ARTIFACTS overrides it)."""
 
 import json
 import os
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from reame.engine import Engine
 from reame.server.models import ModelPool, ServedModel
 from tests.fakes.backend import FakeBackend, reply_rule
 from tests.live_server import smollm2_server as serve_smollm2
+from tests.unit.test_batches import BatchServer, chat_line, jsonl
 from tests.unit.test_server import Live
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,3 +181,60 @@ def test_a_server_of_several_models_lets_the_chat_choose_one(browser, two_model_
     send(browser, "And now?", 20)
     wait(browser, lambda: last_answer(browser).find_element(By.CLASS_NAME, "text").text == "I am small.", 30)
     assert console_errors(browser) == []
+
+
+@pytest.fixture
+def batch_server(tmp_path):
+    """A FakeBackend server with the Batch API whose answers to a prompt saying HOLD wait for the test."""
+    gate = threading.Event()
+    answer = reply_rule("ok")
+
+    def rule(history):
+        if b"HOLD" in bytes(token & 0xFF for token in history):
+            gate.wait(60)
+        return answer(history)
+    with Engine(FakeBackend(n_ctx=1024, n_seq_max=2, rule=rule)) as engine:
+        server = BatchServer(engine, tmp_path / "state")
+        server.gate = gate
+        yield server
+        gate.set()
+        server.close()
+
+
+def test_a_batch_runs_from_the_page_with_its_progress_estimate_and_answers(browser, batch_server, tmp_path):
+    lines = [chat_line("first", "a one"), chat_line("second", "a two"), chat_line("held", "b HOLD")]
+    upload = tmp_path / "tickets.jsonl"
+    upload.write_bytes(jsonl(lines))
+    browser.execute_cdp_cmd("Page.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    browser.get(f"http://127.0.0.1:{batch_server.port}/")
+    browser.find_element(By.ID, "tab-batches").click()
+    wait(browser, lambda: "No batches yet" in browser.find_element(By.ID, "batch-list").text, 30)
+    browser.find_element(By.ID, "batch-file").send_keys(str(upload))
+    browser.find_element(By.ID, "batch-run").click()
+    wait(browser, lambda: "Started batch_" in browser.find_element(By.ID, "batch-note").text, 30)
+    # A card in progress is drawn anew at each poll: read it whole in the page, not through a kept element.
+    card = lambda: browser.execute_script(  # noqa: E731
+        "const card = document.querySelector('#batch-list .batch');"
+        "return card && [card.innerText, card.querySelector('progress').value];")
+    # Two lines answered, the third held: the bar, the count and an estimate of the time left.
+    wait(browser, lambda: card() and "2 of 3 answered · about" in card()[0], 30)
+    text, value = card()
+    assert value == 2 and "in progress" in text
+    screenshot(browser, "web-batches")
+    batch_server.gate.set()
+    wait(browser, lambda: "completed" in card()[0], 30)
+    assert "3 of 3 answered" in card()[0] and "left" not in card()[0] and card()[1] == 3
+    browser.find_element(By.CSS_SELECTOR, "#batch-list .batch .download-output").click()
+    [batch] = batch_server.json("GET", "/v1/batches")[1]["data"]
+    saved = tmp_path / f"{batch['id']}_output.jsonl"
+    wait(browser, saved.exists, 30)
+    assert [record["custom_id"] for record in map(json.loads, saved.read_text().splitlines())] == \
+        ["first", "second", "held"]
+    assert saved.read_bytes() == batch_server.request("GET", f"/v1/files/{batch['output_file_id']}/content")[1]
+    assert console_errors(browser) == []
+
+
+def test_the_batches_tab_says_when_the_server_has_no_batch_api(browser, html_server):
+    browser.get(html_server + "/")
+    browser.find_element(By.ID, "tab-batches").click()
+    wait(browser, lambda: "The Batch API is off" in browser.find_element(By.ID, "batch-note").text, 30)
