@@ -61,6 +61,21 @@ def result_paths(source: Path, output: str | None, errors: str | None) -> tuple[
     return paths
 
 
+@dataclass
+class BatchInput:
+    """A batch input file as read, and the endpoint its batch is for."""
+
+    path: Path
+    data: bytes
+    endpoint: str
+
+
+def batch_input(source: Path, budget_bytes: int, endpoint: str | None) -> BatchInput:
+    """The input file and its endpoint, read before any model loads (a wrong file fails at once)."""
+    data = read_input(source, budget_bytes)
+    return BatchInput(source, data, endpoint_of(data, endpoint))
+
+
 def read_input(source: Path, budget_bytes: int) -> bytes:
     """The input file, refused past the batch storage budget before it is read whole."""
     try:
@@ -118,12 +133,11 @@ def new_batch(app: App, batches: Batches, source: Path, data: bytes, digest: str
         app.files.delete(OWNER, record.id)
 
 
-def run_batch_file(models: ModelPool, settings: ServerSettings, source: Path, endpoint: str | None,
-                   destinations: tuple[Path, Path], report: Report) -> Outcome:
+def run_batch_file(models: ModelPool, settings: ServerSettings, source: BatchInput, destinations: tuple[Path, Path],
+                   report: Report) -> Outcome:
     """Run `source` as a batch on `models` (loaded here, closed by the caller) and write its output and error
     files to `destinations`; `report` sees the batch each time a line is answered."""
-    data = read_input(source, settings.batches.storage_bytes)
-    endpoint = endpoint_of(data, endpoint)
+    data, endpoint = source.data, source.endpoint
     digest = hashlib.sha256(data).hexdigest()
     app = App(settings, models)
     batches = app.batches
@@ -137,12 +151,12 @@ def run_batch_file(models: ModelPool, settings: ServerSettings, source: Path, en
             batch = earlier_batch(app, batches, digest, endpoint)
             if batch is not None:
                 counts = batch["request_counts"]
-                log.info("%s: going on with %s (%d of %d answered by an earlier run)", source.name, batch["id"],
+                log.info("%s: going on with %s (%d of %d answered by an earlier run)", source.path.name, batch["id"],
                          counts["completed"] + counts["failed"], counts["total"])
             else:
-                batch = new_batch(app, batches, source, data, digest, endpoint)
+                batch = new_batch(app, batches, source.path, data, digest, endpoint)
         except HttpError as error:
-            raise ConfigError(f"{source}: {error.message}") from None
+            raise ConfigError(f"{source.path}: {error.message}") from None
         models.preload(models.default)
         models.start()
         app.ready = True

@@ -233,15 +233,18 @@ def command_warm(args: argparse.Namespace, settings: Settings) -> int:
 
 def command_batch(args: argparse.Namespace, settings: Settings) -> int:
     """An OpenAI batch input file answered by the server's own batch runner; a summary on stdout."""
-    from reame.batch_file import Progress, result_paths, run_batch_file
+    from reame.batch_file import Progress, batch_input, result_paths, run_batch_file
     from reame.node import node_of
-    source = Path(args.file)
-    destinations = result_paths(source, args.output, args.errors)
+    destinations = result_paths(Path(args.file), args.output, args.errors)
+    source = batch_input(Path(args.file), settings.server.batch_storage_bytes, args.endpoint)
     path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
     node = node_of(settings, path, entry, model_choice.plan(settings, path, entry))
+    progress = Progress()
+    if progress.live:  # a log line would land in the middle of the line redrawn in place
+        logging.getLogger("reame.batches").setLevel(logging.WARNING)
     try:
-        outcome = run_batch_file(node.models, node.settings, source, args.endpoint, destinations,
-                                 (lambda _batch: None) if args.quiet else Progress())
+        outcome = run_batch_file(node.models, node.settings, source, destinations,
+                                 (lambda _batch: None) if args.quiet else progress)
     except KeyboardInterrupt:
         print("reame: interrupted: the same command goes on where this one stopped", file=sys.stderr)
         return EXIT_RUNTIME

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from reame.batch_file import (OWNER, Progress, earlier_batch, endpoint_of, progress_line, read_input, result_paths,
-                              run_batch_file, short_duration)
+from reame.batch_file import (OWNER, Progress, batch_input, earlier_batch, endpoint_of, progress_line, read_input,
+                              result_paths, run_batch_file, short_duration)
 from reame.engine import Engine
 from reame.errors import ConfigError
 from reame.server.app import App
@@ -37,6 +37,10 @@ def quiet(_batch) -> None:
     pass
 
 
+def given(path):
+    return batch_input(path, 1 << 20, None)
+
+
 @pytest.fixture
 def source(tmp_path):
     path = tmp_path / "tickets.jsonl"
@@ -46,7 +50,7 @@ def source(tmp_path):
 
 def test_the_output_is_what_the_server_answers_and_malformed_lines_are_errors(engine, tmp_path, source):
     destinations = result_paths(source, None, None)
-    outcome = run_batch_file(pool(engine), settings(tmp_path / "state"), source, None, destinations, quiet)
+    outcome = run_batch_file(pool(engine), settings(tmp_path / "state"), given(source), destinations, quiet)
     assert outcome.batch["status"] == "completed" and not outcome.whole
     assert outcome.batch["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
     assert (outcome.output, outcome.errors) == (tmp_path / "tickets.output.jsonl", tmp_path / "tickets.errors.jsonl")
@@ -72,9 +76,9 @@ def test_an_interrupted_run_goes_on_where_it_stopped_and_answers_each_line_once(
         if batch["request_counts"]["completed"] >= 2:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        run_batch_file(pool(engine), settings(state), source, None, result_paths(source, None, None), interrupt)
+        run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None), interrupt)
     seen = []
-    outcome = run_batch_file(pool(engine), settings(state), source, None, result_paths(source, None, None),
+    outcome = run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None),
                              seen.append)
     assert seen[0]["id"] == outcome.batch["id"] and seen[0]["request_counts"]["completed"] >= 2  # the same batch
     answers = [json.loads(line)["custom_id"] for line in outcome.output.read_text().splitlines()]
@@ -106,7 +110,7 @@ def test_results_an_earlier_run_never_wrote_are_written_without_answering_again(
     runs.close()  # the command was killed after the batch ended, before it wrote the files
     answered = len(calls)
     try:
-        outcome = run_batch_file(pool(engine), settings(state), source, None, result_paths(source, None, None), quiet)
+        outcome = run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None), quiet)
     finally:
         engine.close()
     assert outcome.batch["id"] == made["id"] and len(calls) == answered  # nothing decoded again
@@ -118,7 +122,7 @@ def test_a_directory_another_process_runs_is_a_clear_error(engine, tmp_path, sou
     holder = Batches(state / "batches", FileStore(state / "files", 1 << 20), BatchLimits(state), lambda *_: None)
     try:
         with pytest.raises(ConfigError, match="in use by another Reame process"):
-            run_batch_file(pool(engine), settings(state), source, None, result_paths(source, None, None), quiet)
+            run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None), quiet)
     finally:
         holder.close()
 
@@ -140,17 +144,14 @@ def test_input_problems_are_clear_errors_before_anything_runs(engine, tmp_path, 
         result_paths(source, str(source), None)
     with pytest.raises(ConfigError, match="three different files"):
         result_paths(source, "same.jsonl", "same.jsonl")
-    oversized = settings(tmp_path / "state", storage_bytes=100)
-    with pytest.raises(ConfigError, match="larger than the batch storage"):
-        run_batch_file(pool(engine), oversized, source, None, result_paths(source, None, None), quiet)
     too_many = settings(tmp_path / "state", max_lines=2)
     with pytest.raises(ConfigError, match="tickets.jsonl: "):
-        run_batch_file(pool(engine), too_many, source, None, result_paths(source, None, None), quiet)
+        run_batch_file(pool(engine), too_many, given(source), result_paths(source, None, None), quiet)
 
 
 def test_earlier_batches_of_other_inputs_are_left_alone(engine, tmp_path, source):
     state = tmp_path / "state"
-    run_batch_file(pool(engine), settings(state), source, None, result_paths(source, None, None), quiet)
+    run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None), quiet)
     app = App(settings(state), pool(engine))
     try:
         assert earlier_batch(app, app.batches, hashlib.sha256(source.read_bytes()).hexdigest(),
@@ -196,3 +197,12 @@ def test_the_estimate_is_the_lines_left_at_this_process_pace(monkeypatch):
     assert batch.seconds_left() == 25  # 2 lines in 10 s, 5 left
     batch.fields["status"] = "finalizing"
     assert batch.seconds_left() is None and batch.public()["estimated_seconds_left"] is None
+
+
+def test_the_command_refuses_a_bad_file_before_it_looks_for_a_model(tmp_path, capsys):
+    from reame.cli import main
+    assert main(["batch", str(tmp_path / "missing.jsonl"), "--model", "no-such-model"]) == 2
+    assert "cannot read" in capsys.readouterr().err  # not "unknown model": the file was read first
+    (tmp_path / "t.jsonl").write_text('{"custom_id": "a", "url": "/v1/models"}\n')
+    assert main(["batch", str(tmp_path / "t.jsonl"), "--model", "no-such-model"]) == 2
+    assert "pass --endpoint" in capsys.readouterr().err
