@@ -172,13 +172,15 @@ def run_batch_file(models: ModelPool, settings: ServerSettings, source: BatchInp
 
 def written(app: App, batch: dict[str, Any], destinations: tuple[Path, Path]) -> tuple[Path | None, Path | None]:
     """The batch's output and error files copied to `destinations` and deleted from the file store (the
-    command's user has them where they asked)."""
+    command's user has them where they asked). One no longer in the store was written by an earlier run that
+    was stopped before it wrote the other."""
     assert app.files is not None
+    kept = {record.id for record in app.files.listed(OWNER, "batch_output")}
     paths: list[Path | None] = []
     for key, destination in zip(("output_file_id", "error_file_id"), destinations):
         file_id = batch.get(key)
-        if file_id is None:
-            paths.append(None)
+        if file_id not in kept:
+            paths.append(destination if file_id is not None and destination.exists() else None)
             continue
         write_file_atomically(destination, app.files.content(app.files.get(OWNER, file_id)))
         app.files.delete(OWNER, file_id)

@@ -107,7 +107,11 @@ def test_results_an_earlier_run_never_wrote_are_written_without_answering_again(
     runs.start()
     while runs.wait(OWNER, made["id"], 1.0)["status"] != "completed":
         pass
-    runs.close()  # the command was killed after the batch ended, before it wrote the files
+    errors_id = runs.get(OWNER, made["id"])["error_file_id"]
+    runs.close()
+    # The command was killed after the batch ended, having written the error file but not the output file.
+    (tmp_path / "tickets.errors.jsonl").write_bytes(files.content(files.get(OWNER, errors_id)))
+    files.delete(OWNER, errors_id)
     answered = len(calls)
     try:
         outcome = run_batch_file(pool(engine), settings(state), given(source), result_paths(source, None, None), quiet)
@@ -115,6 +119,7 @@ def test_results_an_earlier_run_never_wrote_are_written_without_answering_again(
         engine.close()
     assert outcome.batch["id"] == made["id"] and len(calls) == answered  # nothing decoded again
     assert len(outcome.output.read_text().splitlines()) == 5
+    assert outcome.errors == tmp_path / "tickets.errors.jsonl"
 
 
 def test_a_directory_another_process_runs_is_a_clear_error(engine, tmp_path, source):
