@@ -235,6 +235,9 @@ def command_batch(args: argparse.Namespace, settings: Settings) -> int:
     """An OpenAI batch input file answered by the server's own batch runner; a summary on stdout."""
     from reame.batch_file import Progress, batch_input, result_paths, run_batch_file
     from reame.node import node_of
+    if getattr(args, "best_of", None):
+        raise ConfigError("--best-of: a batch's line asks for the Conclave in its body (a chat's "
+                          "\"reame\": {\"best_of\": N}, a completion's best_of)")
     destinations = result_paths(Path(args.file), args.output, args.errors)
     source = batch_input(Path(args.file), settings.server.batch_storage_bytes, args.endpoint)
     path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())

@@ -211,3 +211,5 @@ def test_the_command_refuses_a_bad_file_before_it_looks_for_a_model(tmp_path, ca
     (tmp_path / "t.jsonl").write_text('{"custom_id": "a", "url": "/v1/models"}\n')
     assert main(["batch", str(tmp_path / "t.jsonl"), "--model", "no-such-model"]) == 2
     assert "pass --endpoint" in capsys.readouterr().err
+    assert main(["batch", str(tmp_path / "t.jsonl"), "--best-of", "3"]) == 2  # a flag the command cannot honour
+    assert "in its body" in capsys.readouterr().err
