@@ -242,12 +242,12 @@ def command_batch(args: argparse.Namespace, settings: Settings) -> int:
     source = batch_input(Path(args.file), settings.server.batch_storage_bytes, args.endpoint)
     path, entry = model_choice.resolve_model(settings.model.path, model_choice.progress_stream())
     node = node_of(settings, path, entry, model_choice.plan(settings, path, entry))
-    progress = Progress()
-    if progress.live:  # a log line would land in the middle of the line redrawn in place
+    progress = None if args.quiet else Progress()
+    if progress is not None and progress.live:  # a log line would land in the middle of the line redrawn in place
         logging.getLogger("reame.batches").setLevel(logging.WARNING)
     try:
         outcome = run_batch_file(node.models, node.settings, source, destinations,
-                                 (lambda _batch: None) if args.quiet else progress)
+                                 progress if progress is not None else lambda _batch: None)
     except KeyboardInterrupt:
         print("reame: interrupted: the same command goes on where this one stopped", file=sys.stderr)
         return EXIT_RUNTIME
