@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from reame.cache import PrefixCache, Snapshot, common_prefix
+from reame.cache.heads import ResidentHeads
 from reame.engine import admission
 from reame.engine.kv import KvCells, KvStats
 from reame.engine.request import (
@@ -60,6 +61,8 @@ class Sequences:
         self.kv = KvCells(backend)
         self.limits = limits
         self.cache = cache
+        # Behind a prefix cache idle slots give their KV up at every start: the openings they held are kept here.
+        self.heads = ResidentHeads() if cache is not None else None
         self.speculation = speculation
         self.max_answer_tokens = max_answer_tokens
         self.slots = [Slot(seq_id) for seq_id in range(backend.n_seq_max)]
@@ -92,6 +95,12 @@ class Sequences:
         reuse = handle.request.cache_reuse if backend.can_shift and not handle.request.warm else 0
         slot, shared, runs = admission.pick_slot(self.slots, handle.prompt_tokens, reuse)
         self._newer_snapshot(handle, shared)
+        head = self._head(handle) if not runs else 0
+        if shared < head and not self._resident_head(handle, shared):
+            # Less than the prompt's head in its slot, and no head kept yet: the prompt is prefilled from its start
+            # (at most a head's tokens more), so its head's KV is what a cold prefill computes and can be kept. A few
+            # tokens another prompt computed (a batch line's "<|im_start|>system\n") would move the rows' batches.
+            shared = 0
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
@@ -118,6 +127,7 @@ class Sequences:
                 assert start.saved is not None
                 shared = self._restore(start.saved, slot.seq_id, start.shared)
             running.n_fed = running.cached = shared
+            running.head = head if not shared else 0  # a head is kept only from a prefill from the start
             running.solo_last = not handle.request.warm and \
                 len(handle.prompt_tokens) - 1 - shared >= SOLO_LAST_TOKEN_PREFILL
             running.snapshot_at = self._snapshot_point(running) if not runs else -1
@@ -147,6 +157,26 @@ class Sequences:
         if newer is not None:
             handle.snapshot = newer
 
+    def _head(self, handle: Handle) -> int:
+        """How long the prompt's head is (ResidentHeads.learn); 0 without heads, and for a session's turn or a warm
+        request."""
+        if self.heads is None or handle.request.session is not None or handle.request.warm:
+            return 0
+        return self.heads.learn(handle.prompt_tokens)
+
+    def _resident_head(self, handle: Handle, in_slot: int) -> bool:
+        """Whether a kept template head covers more of the prompt than its slot and its snapshot (it becomes the
+        request's snapshot): a chat whose slot gave its KV up to a batch line's start restores the template's
+        opening in a millisecond."""
+        assert self.heads is not None
+        prompt = handle.prompt_tokens
+        found = common_prefix(handle.snapshot.tokens, prompt) if handle.snapshot is not None else 0
+        head = self.heads.find(prompt)
+        if head is None or len(head.tokens) <= max(found, in_slot):
+            return False
+        handle.snapshot = head
+        return True
+
     def _snapshot_point(self, running: Running) -> int:
         """Where a prompt's KV is snapshotted into the prefix cache (-1: never): when all but its last
         token are in, if that took enough prefill to be worth it. A warm request is snapshotted whole."""
@@ -162,8 +192,9 @@ class Sequences:
     def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
         """Restore saved KV into the empty sequence `seq_id` and keep its first `shared` tokens; return how many
         were kept (0: the prompt is prefilled, the reason logged and counted)."""
-        cache = self.cache if isinstance(saved, Snapshot) else None
-        source = "snapshot" if cache is not None else "session"
+        head = self.heads is not None and self.heads.holds(saved)
+        cache = self.cache if isinstance(saved, Snapshot) and not head else None
+        source = "head" if head else "snapshot" if cache is not None else "session"
         cells = len(saved.tokens)  # all of them are placed, however many are kept
         if not self.make_room(cells, seq_id):
             outcome = "no_room"
@@ -183,8 +214,12 @@ class Sequences:
         log.info("a %s of %d tokens was not restored (%s): its prompt is prefilled", source, cells,
                  "running sequences hold the cells it needs" if outcome == "no_room"
                  else "this context refused the state")
-        if cache is not None and isinstance(saved, Snapshot) and outcome == "rejected":
-            cache.restore_failed(saved)  # never offered here again; one that found no room stays
+        if outcome == "rejected" and isinstance(saved, Snapshot):  # never offered here again; one that found
+            if head:                                                 # no room stays
+                assert self.heads is not None
+                self.heads.forget(saved)
+            elif cache is not None:
+                cache.restore_failed(saved)
         return 0
 
     # --- the KV's cells ---------------------------------------------------------------------
@@ -232,9 +267,10 @@ class Sequences:
         held = slot.held
         if len(held) <= keep and self.kv.length(slot.seq_id) <= keep:
             return keep
+        before = self.kv.free(slot.seq_id)
         if len(held) > keep:
             self._keep_snapshot(slot)
-        before = self.kv.free(slot.seq_id)
+            self._keep_head(slot, keep)
         if not self.kv.remove(slot.seq_id, keep):
             self.kv.remove(slot.seq_id)
             keep = 0
@@ -249,6 +285,15 @@ class Sequences:
             return
         if cache.offer(Snapshot(tuple(slot.held), self.kv.state(slot.seq_id))):
             self._idle_snapshots += 1
+
+    def _keep_head(self, slot: Slot, keep: int) -> None:
+        """Keep the opening of what an idle slot gives up beyond `keep` as a template head, if other prompts
+        share it and no head holds it yet (the slot is first cut to it, as its KV goes anyway)."""
+        heads, head = self.heads, slot.head
+        if heads is None or slot.private or not keep < head <= len(slot.held) or heads.has(slot.held[:head]):
+            return
+        if self.kv.remove(slot.seq_id, head):
+            heads.keep(Snapshot(tuple(slot.held[:head]), self.kv.state(slot.seq_id)))
 
     def kv_stats(self, other_decodes: int = 0) -> KvStats:
         """The KV's cells and what was done with them, for the engine's status (`other_decodes`: the embedding
@@ -367,6 +412,7 @@ class Sequences:
         Speculation.release(running.draftings)
         # Kept for the next request that shares its prefix; `used` makes it the most recently used.
         slot.running, slot.held, slot.used = None, held, next(self._releases)
+        slot.head = running.head if session is None else 0
         slot.private = session is not None  # a conversation's KV is its session's: never snapshotted
         self.changed = True
         matched = running.stream.matched if reason == FINISH_STOP else ""

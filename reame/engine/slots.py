@@ -43,6 +43,7 @@ class Running:
         "grammar",
         "grammar_text",
         "handle",
+        "head",
         "leader",
         "max_tokens",
         "n_fed",
@@ -67,6 +68,7 @@ class Running:
         self.next_token: int | None = None  # sampled, not yet decoded (Phase.GENERATING)
         self.generated_tokens: list[int] = []  # emitted so far; with the prompt, what the slot will hold
         self.cached = 0  # prompt tokens found in the KV instead of prefilled
+        self.head = 0  # its prompt's opening shared with other prompts, kept when its slot gives it up
         self.snapshot_at = -1  # KV length at which to snapshot the prompt into the prefix cache (-1: never)
         self.solo_last = False  # decode the last prompt token in a step of its own (SOLO_LAST_TOKEN_PREFILL)
         self.max_tokens = max_tokens
@@ -123,11 +125,12 @@ class Slot:
     next one that shares a prefix with it; busy, it serves `running`. `used` orders idle slots from
     least to most recently released; `private`: what it keeps is a session's, never snapshotted."""
 
-    __slots__ = ("held", "private", "running", "seq_id", "used")
+    __slots__ = ("head", "held", "private", "running", "seq_id", "used")
 
     def __init__(self, seq_id: int) -> None:
         self.seq_id = seq_id
         self.held: list[int] = []
+        self.head = 0  # how many of `held` are an opening other prompts share (cache.heads.ResidentHeads)
         self.running: Running | None = None
         self.used = 0
         self.private = False

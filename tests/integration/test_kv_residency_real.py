@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from reame.arca.client import StoreAddress, StoreClient
-from reame.cache import PrefixCache
+from reame.cache import PrefixCache, common_prefix
 from reame.cache.remote import RemoteKV
 from reame.engine import Engine, EngineStatus, GenerationRequest, SamplingParams
 from reame.model.llama import LlamaBackend
@@ -127,3 +127,34 @@ def test_a_cold_answer_does_not_depend_on_what_the_kv_held_before(native_librari
                 ask(engine, first, "Question: What is this section about? Answer in one sentence.", TWELVE)
                 answers[slots] = ask(engine, second, question, TWELVE).text
     assert answers[4] == answers[1]
+
+
+def test_a_chat_whose_slot_a_background_line_took_restores_its_template_head(native_libraries, smollm2_path,
+                                                                              tmp_path):
+    """A chat between a batch's lines: each line's start makes the chat's idle slot give up its KV, and the
+    template's opening (SmolLM2's system prompt and the start of the user's turn) is too short for the prefix
+    cache; it comes back from the resident template heads, cut where the answer stays a whole prefill's."""
+    questions = ["What is a CPU?", "Name a prime number.", "Why is the sky blue?"]
+    tickets = [f"Ticket {n}: {text('try', characters=400)[n * 40:]}\nClassify this ticket." for n in range(3)]
+
+    def line(engine: Engine, ticket: str):
+        prompt = engine.chat_prompt([{"role": "system", "content": "You triage support tickets."},
+                                     {"role": "user", "content": ticket}])
+        return engine.generate(GenerationRequest(prompt, TWELVE, background=True), timeout_s=600)
+
+    with LlamaBackend(settings_for(smollm2_path, n_ctx=2048)) as backend:
+        with Engine(backend, cache=PrefixCache(backend.kv_fingerprint(), tmp_path)) as engine:
+            for question, ticket in zip(questions, tickets):
+                chat = ask(engine, question, "", TWELVE)
+                line(engine, ticket)
+            status = idle_status(engine)
+        backend.clear()
+        with Engine(backend) as engine:  # the same chat on an empty KV, with nothing cached
+            cold = ask(engine, questions[-1], "", TWELVE)
+            opening = [engine.chat_prompt([{"role": "user", "content": content}])
+                       for content in ("", f"{questions[-1]}\n\n")]
+        shared = common_prefix(*(backend.tokenize(prompt) for prompt in opening))
+    assert chat.finish.usage.cached_tokens == shared // 8 * 8 > 16
+    assert chat.text == cold.text
+    # The third chat, and the third ticket: its system prompt's start, learned from the two lines before it.
+    assert status.kv.restores == (("head", "restored", 2),)

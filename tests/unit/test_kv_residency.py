@@ -294,3 +294,50 @@ def test_documents_taken_in_turns_are_each_prefilled_once(slots):
         if order.index(i) < n:
             assert result.finish.usage.cached_tokens >= tokens(documents[i]), f"request {n} prefilled again"
     assert backend.refused_restores == 0
+
+
+SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+
+
+def chat(question: str) -> str:
+    return f"{SYSTEM}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chat_whose_slot_gave_its_kv_to_another_start_restores_the_template_head():
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4)
+    # The defaults: the 26-token opening is below what the prefix cache indexes and snapshots.
+    cache = PrefixCache(FINGERPRINT, None, block_tokens=32, min_new_tokens=64)
+    opening = tokens(SYSTEM)
+    head = opening // 8 * 8
+    assert head == 24
+    line = "<|im_start|>system\nTriage.<|im_end|>\n<|im_start|>user\nticket {}<|im_end|>\n<|im_start|>assistant\n"
+    with Engine(backend, cache=cache) as engine:
+        found = []
+        for question, ticket in (("hello?", line.format(1)), ("what is KV?", line.format(2))):
+            found.append(engine.generate(GenerationRequest(chat(question), GREEDY)).finish.usage.cached_tokens)
+            engine.generate(GenerationRequest(ticket, GREEDY))  # its start makes the chat's slot give up its KV
+        # The ticket's slot shares 9 tokens with the second chat, whose head (24) is not kept yet: it is prefilled
+        # from its start instead, so that its head's KV is a cold prefill's, which its slot then keeps.
+        assert found == [0, 0]
+        result = engine.generate(GenerationRequest(chat("why so slow?"), GREEDY))
+        assert result.finish.usage.cached_tokens == head
+        assert result.tokens == cold(chat("why so slow?"))
+        assert restores(engine) == {("head", "restored"): 1}
+        assert cache.stats()["snapshots"] == 0, "nothing was long enough for the prefix cache"
+
+
+def test_a_head_is_restored_only_where_the_answer_stays_that_of_a_whole_prefill():
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4)
+    cache = PrefixCache(FINGERPRINT, None, block_tokens=32, min_new_tokens=64)
+    with Engine(backend, cache=cache) as engine:
+        for question, ticket in (("hello?", "ticket 1"), ("what is KV?", "ticket 2")):
+            engine.generate(GenerationRequest(chat(question), GREEDY))
+            engine.generate(GenerationRequest(ticket, GREEDY))
+        # A 24-token head leaves 16 of chat("?")'s 40 tokens to prefill: restored. SYSTEM + "hi" has 28 tokens: it
+        # would leave 4, fewer than 8, where the rows' numerics change; it is prefilled whole.
+        short = engine.generate(GenerationRequest(chat("?"), GREEDY))
+        engine.generate(GenerationRequest("ticket 3", GREEDY))
+        shorter = engine.generate(GenerationRequest(SYSTEM + "hi", GREEDY))
+        assert (short.finish.usage.cached_tokens, shorter.finish.usage.cached_tokens) == (24, 0)
+        assert (short.tokens, shorter.tokens) == (cold(chat("?")), cold(SYSTEM + "hi"))
+        assert restores(engine) == {("head", "restored"): 1}
