@@ -24,12 +24,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table, read_stream, server_command
+from common import ROOT, bench_parser, machine, metric, model_path, print_table, read_stream, server_command
 from server import ServerGroup
 from workload import DATA, TRIAGE_SCHEMA, chat, send
 
 import http.client
 
+# Reame's counters read after the batch (reame_<name>_total): where its time went.
+WHERE_TIME_WENT = ("prompt_tokens", "prompt_tokens_cached", "prompt_seconds", "generated_tokens", "generation_seconds",
+                   "spec_decode_drafted", "spec_decode_accepted")
 INTERACTIVE = "In two sentences, what should a support team do first when an outage ticket arrives?"
 
 
@@ -114,6 +117,7 @@ def main() -> None:
     servers.start()
     try:
         reame_seconds, idle, during, batch = run_batch(servers.port("reame"), bodies, args.reps)
+        spent = {name: metric(servers.port("reame"), f"reame_{name}_total") for name in WHERE_TIME_WENT}
     finally:
         servers.stop()
     peer = {}
@@ -137,6 +141,12 @@ def main() -> None:
     rows += [[f"llama-server, {concurrency} at a time", f"{seconds:.1f}", "", ""] for concurrency, seconds in
              sorted(peer.items())]
     print_table(["job", "seconds", "answered", "speed vs llama-server's best"], rows)
+    per_ticket = {name: value / args.lines for name, value in spent.items()}
+    print(f"\nReame per ticket (the interactive chats included): prompt {per_ticket['prompt_tokens']:.0f} tokens, "
+          f"{per_ticket['prompt_tokens_cached']:.0f} of them cached, {per_ticket['prompt_seconds']:.2f} s to the "
+          f"first token; {per_ticket['generated_tokens']:.1f} tokens in {per_ticket['generation_seconds']:.2f} s "
+          f"after it; drafts {per_ticket['spec_decode_accepted']:.1f} accepted of "
+          f"{per_ticket['spec_decode_drafted']:.1f}")
     if during:
         print(f"\ninteractive chat's first token: idle {statistics.median(idle):.2f} s, during the batch "
               f"{statistics.median(during):.2f} s ({statistics.median(during) / statistics.median(idle):.2f}x)")

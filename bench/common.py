@@ -142,13 +142,25 @@ def read_stream(lines: Iterable[bytes]) -> Streamed:
     return Streamed("".join(pieces), tokens, first, last, error)
 
 
-def speculation_counts(port: int, source: str) -> dict[str, float]:
-    """A Reame server's speculation counters from /metrics: `source`'s drafted and accepted tokens,
-    every source's, and the steps that verified drafts."""
+def metrics_text(port: int) -> str:
+    """A Reame server's /metrics."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     connection.close()
+    return text
+
+
+def metric(port: int, name: str) -> float:
+    """A Reame metric summed over its labels (every model's, every source's)."""
+    return sum(float(line.split()[-1]) for line in metrics_text(port).splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def speculation_counts(port: int, source: str) -> dict[str, float]:
+    """A Reame server's speculation counters from /metrics: `source`'s drafted and accepted tokens,
+    every source's, and the steps that verified drafts."""
+    text = metrics_text(port)
     counts = dict.fromkeys(("drafted", "accepted", "all drafted", "all accepted", "steps"), 0.0)
     for what in ("drafted", "accepted"):
         for name, value in re.findall(rf'^reame_spec_decode_{what}_total{{model="[^"]*",source="(\w+)"}} (\S+)$',

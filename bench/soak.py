@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common import ROOT, bench_parser, machine, model_path, print_table
+from common import ROOT, bench_parser, machine, metric, model_path, print_table
 from server import free_port, wait_ready
 
 BEHAVIOURS = ("whole", "disconnect", "slow", "cancel")
@@ -52,15 +52,6 @@ def proc_status(pid: int) -> tuple[int, int, float]:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     return int(fields["Threads"]), fds, int(fields["VmRSS"].split()[0]) / 1024
-
-
-def metric(port: int, name: str) -> float:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
-    connection.close()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))  # every model's
 
 
 class Tally:
