@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ def free_port() -> int:
 class LiveServer:
     base: str
     process: subprocess.Popen
-    log: list[str] = field(default_factory=list)  # stderr lines read while it started
+    log: list[str] = field(default_factory=list)  # its stderr lines so far
     killed: bool = False  # the test killed it (kill -9): no graceful stop to check
 
     def kill(self) -> None:
@@ -37,10 +38,17 @@ class LiveServer:
         self.process.wait(timeout=30)
 
 
+def _read_lines(stream: Iterator[str], lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
+
+
 @contextmanager
 def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
     """Start `command` (a `reame … --serve --port 0`), wait until /health answers 200, yield it;
-    on exit stop it with SIGTERM and check that the graceful stop exits 0."""
+    on exit stop it with SIGTERM and check that the graceful stop exits 0. Its stderr is read all along: a
+    pipe nobody reads fills (64 KiB: ~1,300 request log lines of a test polling an endpoint) and then blocks
+    every thread of the server that logs."""
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
     log: list[str] = []
     base = None
@@ -52,6 +60,8 @@ def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
             base = found.group(1)
             break
     assert base, "the server did not say where it listens:\n" + "".join(log)
+    reader = threading.Thread(target=_read_lines, args=(process.stderr, log), name="live-server-stderr", daemon=True)
+    reader.start()
     deadline = time.monotonic() + LOAD_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
@@ -65,8 +75,7 @@ def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
     finally:
         if not server.killed:
             process.send_signal(signal.SIGTERM)
-        rest = process.stderr.read()
-        server.log.append(rest)
+        reader.join(timeout=90)  # to the end of its stderr: it has exited
         if not server.killed:
             assert process.wait(timeout=60) == 0, "".join(server.log)  # a graceful stop exits 0
 
