@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=1, help="Reame's server.batch_concurrency")
     parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--no-peer", action="store_true", help="Reame only: no llama-server runs (no speed ratio)")
     args = parser.parse_args()
     path = str(model_path(args.model))
     bodies = triage_bodies(args.lines)
@@ -121,7 +122,7 @@ def main() -> None:
     finally:
         servers.stop()
     peer = {}
-    for concurrency in sorted({1, args.slots}):
+    for concurrency in sorted({1, args.slots}) if not args.no_peer else ():
         servers = ServerGroup({"llama-server": llama_server})
         servers.start()
         try:
@@ -132,12 +133,12 @@ def main() -> None:
             peer[concurrency] = time.perf_counter() - started
         finally:
             servers.stop()
-    best = min(peer, key=lambda concurrency: peer[concurrency])
+    best = min(peer, key=lambda concurrency: peer[concurrency]) if peer else 0
     print(f"machine: {machine()} · {Path(path).name} · {args.threads} threads · {args.slots} slots · "
           f"{args.lines} tickets · Reame batch_concurrency {args.concurrency}\n")
     counts = batch["request_counts"]
     rows = [["Reame batch", f"{reame_seconds:.1f}", f"{counts['completed']}/{counts['total']}",
-             f"{peer[best] / reame_seconds:.2f}x"]]
+             f"{peer[best] / reame_seconds:.2f}x" if peer else "not run"]]
     rows += [[f"llama-server, {concurrency} at a time", f"{seconds:.1f}", "", ""] for concurrency, seconds in
              sorted(peer.items())]
     print_table(["job", "seconds", "answered", "speed vs llama-server's best"], rows)
