@@ -15,6 +15,7 @@ from typing import Any
 from reame.ctypes_llama import _lib
 from reame.ctypes_llama.types import (
     c_enum,
+    ggml_abort_callback,
     ggml_threadpool_params,
     ggml_log_callback,
     llama_batch,
@@ -137,6 +138,9 @@ _declare("llama_batch_init", [c_int32, c_int32, c_int32], llama_batch)
 _declare("llama_batch_free", [llama_batch], None)
 # LLAMA_API int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
 _declare("llama_decode", [llama_context_p, llama_batch], c_int32)
+# LLAMA_API void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback,
+#                                         void * abort_callback_data);
+_declare("llama_set_abort_callback", [llama_context_p, ggml_abort_callback, c_void_p], None)
 # LLAMA_API float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 _declare("llama_get_logits_ith", [llama_context_p, c_int32], POINTER(c_float))
 # LLAMA_API float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from reame.model.backend import DECODE_OK, Backend
+from reame.model.backend import DECODE_INTERRUPTED, DECODE_OK, Backend
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class KvStats:
     idle_snapshots: int = 0  # idle slots' KV kept in the prefix cache as they gave it up
     decodes: int = 0  # decode calls: generations' batches and embeddings' (llama-server's n_decode_total)
     tokens_moved: int = 0  # prompt tokens whose KV cache reuse moved into place instead of a prefill
+    decodes_interrupted: int = 0  # decodes of background rows stopped for a foreground request (interruption.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class KvCells:
         self._origins = itertools.count()
         self._used: int | None = None  # cells held in the unified stream, counted when next asked
         self.decodes = 0  # decode calls made, for the status
+        self.interrupted = 0  # of them, stopped by Backend.interrupt (nothing of their batch kept)
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -106,6 +108,8 @@ class KvCells:
         """One `backend.decode`; on success each sequence's rows are placed, in new cells after what it held."""
         self.decodes += 1
         status = self.backend.decode(tokens, positions, seq_ids, outputs)
+        if status == DECODE_INTERRUPTED:
+            self.interrupted += 1
         if status == DECODE_OK:
             ends: dict[int, int] = {}
             for seq_id, position in zip(seq_ids, positions):

@@ -41,6 +41,7 @@ from typing import Any
 from reame.cache import PrefixCache, common_prefix
 from reame.engine import admission
 from reame.engine.embeddings import EmbeddingJob, Embeddings
+from reame.engine.interruption import BackgroundInterruption
 from reame.engine.kv import KvStats
 from reame.engine.prompt import prompt_tokens
 from reame.engine.request import (
@@ -133,7 +134,9 @@ class Engine:
         self._queued = 0
         # Engine thread only, from here on.
         self._sequences = Sequences(backend, limits, cache, speculation, max_answer_tokens)
-        self._stepper = Stepper(backend, self._sequences, cache, speculation, prefill_chunk_tokens)
+        self._interruption = BackgroundInterruption(backend)
+        self._stepper = Stepper(backend, self._sequences, cache, speculation, prefill_chunk_tokens,
+                                self._interruption)
         self._waiting: deque[Handle] = deque()
         self._embeddings = Embeddings()
         self._changed = False  # the waiting queue changed since the status was published
@@ -178,6 +181,8 @@ class Engine:
             self._check_room(len(handles))
             self._queued += len(handles)
             self._inbox.put(handles)
+        # After the put: the engine thread, taking them, must find them there when a decode stops for them.
+        self._interruption.arrived(_foreground(handles))
         return handles
 
     def _check_room(self, generations: int) -> None:
@@ -348,6 +353,7 @@ class Engine:
         if isinstance(item, EmbeddingJob):
             self._embeddings.add(item)
         else:
+            self._interruption.taken(_foreground(item))
             self._waiting.extend(item)
             self._changed = True
         return True
@@ -447,6 +453,11 @@ class Engine:
         self._dequeued(handle)
         self._changed = True
         handle._put(FinishEvent(reason, Usage(len(handle.prompt_tokens), 0, 0.0, 0.0), message))
+
+
+def _foreground(handles: list[Handle]) -> int:
+    """How many of the generations are a person's (not a batch's lines): they interrupt background decodes."""
+    return sum(not handle.request.background for handle in handles)
 
 
 def _describe(error: Exception) -> str:

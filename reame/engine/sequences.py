@@ -302,7 +302,8 @@ class Sequences:
         cells = kv.capacity if kv.unified else kv.capacity * len(self.slots)
         return KvStats(cells, kv.used(), tuple((source, outcome, count) for (source, outcome), count
                                                in sorted(self._restores.items())),
-                       self._cells_given_up, self._idle_snapshots, kv.decodes + other_decodes, self._reused_tokens)
+                       self._cells_given_up, self._idle_snapshots, kv.decodes + other_decodes, self._reused_tokens,
+                       kv.interrupted)
 
     # --- while running -----------------------------------------------------------------
 

@@ -13,12 +13,14 @@ end requests), the speculation controllers, statistics and cost model.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from reame.cache import PrefixCache, Snapshot
+from reame.engine.interruption import BackgroundInterruption
 from reame.engine.sequences import Sequences
 from reame.engine.slots import Phase, Running
-from reame.model.backend import DECODE_NO_KV_SLOT, Backend
+from reame.model.backend import DECODE_INTERRUPTED, DECODE_NO_KV_SLOT, Backend
 from reame.model.sampling import log_softmax_of
 from reame.speculative import Drafting, Speculation
 
@@ -50,6 +52,12 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)
+
+    @property
+    def background_only(self) -> bool:
+        """Every row is a background request's (a batch's lines): a foreground arrival may interrupt it."""
+        rows: list[Decode | PromptChunk] = [*self.decodes, *self.chunks]
+        return all(row.running.handle.request.background for row in rows)
 
 
 def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
@@ -145,6 +153,7 @@ class StepOutcome:
     whose followers now share their prompt, and what the step cost."""
 
     kv_full: bool = False
+    interrupted: bool = False  # stopped for a foreground arrival: nothing of it happened
     rows: int = 0
     seconds: float = 0.0
     drafted: int = 0
@@ -177,8 +186,10 @@ class Stepper:
     """Executes step plans on the engine thread, and applies their outcome to the sequences."""
 
     def __init__(self, backend: Backend, sequences: Sequences, cache: PrefixCache | None,
-                 speculation: Speculation | None, prefill_chunk_tokens: int) -> None:
+                 speculation: Speculation | None, prefill_chunk_tokens: int,
+                 interruption: BackgroundInterruption) -> None:
         self.backend = backend
+        self.interruption = interruption
         self.sequences = sequences
         self.cache = cache
         self.speculation = speculation
@@ -230,8 +241,12 @@ class Stepper:
             outcome.kv_full = True
             return outcome
         started = time.perf_counter()
-        status = kv.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
+        with self.interruption.background_decode() if plan.background_only else nullcontext():
+            status = kv.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
         outcome.seconds, outcome.rows = time.perf_counter() - started, len(batch.tokens)
+        if status == DECODE_INTERRUPTED:
+            outcome.interrupted = True
+            return outcome
         if status == DECODE_NO_KV_SLOT:
             outcome.kv_full = True
             return outcome
@@ -265,6 +280,8 @@ class Stepper:
         """The sequences' new state: prompt progress and snapshots, followers sharing their leader's prompt,
         each draw's tokens emitted (ending requests as they say), drafts learned from, the step's cost."""
         sequences = self.sequences
+        if outcome.interrupted:  # the rows go again in a later step, after the foreground request's
+            return
         if outcome.kv_full:
             if outcome.drafted:
                 self.drafts_paused = True  # the drafts go first: the next step runs without them

@@ -42,6 +42,7 @@ BUILTIN_TEMPLATE_BY_ARCH = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemm
 
 DECODE_OK = 0
 DECODE_NO_KV_SLOT = 1  # llama_decode: no room in the KV cache for this batch
+DECODE_INTERRUPTED = 2  # llama_decode: stopped by Backend.interrupt before its end; nothing of the batch is kept
 
 
 class Vocabulary(Protocol):
@@ -91,11 +92,17 @@ class Backend(Vocabulary, Protocol):
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
                outputs: Sequence[bool]) -> int:
-        """Evaluate one batch; return DECODE_OK or DECODE_NO_KV_SLOT, raise ModelError otherwise.
+        """Evaluate one batch; return DECODE_OK, DECODE_NO_KV_SLOT or DECODE_INTERRUPTED (the KV then holds
+        nothing of the batch), raise ModelError otherwise.
 
         Entry i puts tokens[i] at positions[i] of sequence seq_ids[i]; where
         outputs[i] is true, sample(…, i) and logits(i) may be called afterwards.
         """
+        ...
+
+    def interrupt(self, stop: bool) -> None:
+        """While `stop` is set, a decode stops within one graph node and returns DECODE_INTERRUPTED; a
+        decode starting while it is set stops at once. Any thread may call it (a store of one byte)."""
         ...
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:

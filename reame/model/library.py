@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -13,6 +14,12 @@ from reame.ctypes_llama import types as t  # plain ctypes declarations: importin
 
 _llama_log = logging.getLogger("reame.llama")
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
+# What llama.cpp logs, as errors and a warning, of a decode that Backend.interrupt stopped (ggml's status 1,
+# GGML_STATUS_ABORTED; llama_decode's 2): expected, so kept at debug level.
+_INTERRUPTED_DECODE = re.compile(r"(compute_async failed with error 1|compute status: 1|failed to decode, ret = 2"
+                                 r"|removing memory module entries for seq_id = \d+, pos = \[\d+, \+inf\))$")
+
+
 @dataclass
 class _LogState:
     """llama.cpp logs a line in pieces (GGML_LOG_LEVEL_CONT): the line so far, and its level."""
@@ -43,7 +50,9 @@ def _on_llama_log(level: int, text: bytes | None, _user: object) -> None:
     if not line:
         return
     level = _log_state.level
-    if level == t.GGML_LOG_LEVEL_ERROR:
+    if _INTERRUPTED_DECODE.search(line):
+        _llama_log.debug("%s", line)
+    elif level == t.GGML_LOG_LEVEL_ERROR:
         _recent_errors.append(line)
         _llama_log.error("%s", line)
     elif level == t.GGML_LOG_LEVEL_WARN:

@@ -15,8 +15,8 @@ from typing import Any
 
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 from reame.errors import ModelError
-from reame.model.backend import (DECODE_NO_KV_SLOT, DECODE_OK, EMBEDDING_POOLING, EMBEDDING_SEQUENCES, ModelSettings,
-                                 usable_cores)
+from reame.model.backend import (DECODE_INTERRUPTED, DECODE_NO_KV_SLOT, DECODE_OK, EMBEDDING_POOLING,
+                                 EMBEDDING_SEQUENCES, ModelSettings, usable_cores)
 from reame.model.embedding import EmbeddingContext
 from reame.model.library import forget_llama_errors, last_llama_error
 from reame.model.loaded_model import LoadedModel
@@ -67,6 +67,11 @@ class LlamaBackend(LoadedModel):
             raise ModelError(f"cannot create a context of {settings.n_ctx} tokens for {settings.path}"
                              f"{last_llama_error()}")
         self._threadpool = self._attach_threadpool(threads)
+        # ggml asks the abort callback after every graph node, on the decoding thread with the GIL released:
+        # it is libc's strlen over a two-byte flag (1, 0: stop; 0, 0: go on), so that no Python runs there.
+        self._stop_flag = ctypes.create_string_buffer(2)
+        self._stop_check = ctypes.cast(ctypes.CDLL(None).strlen, t.ggml_abort_callback)
+        api.llama_set_abort_callback(self._ctx, self._stop_check, ctypes.cast(self._stop_flag, ctypes.c_void_p))
         self._memory = api.llama_get_memory(self._ctx)
 
         self.n_threads = threads
@@ -145,7 +150,19 @@ class LlamaBackend(LoadedModel):
         self._outputs = frozenset()
         if status == DECODE_NO_KV_SLOT:
             return DECODE_NO_KV_SLOT
+        if status == DECODE_INTERRUPTED:
+            # llama.cpp dropped the positions of the micro-batch it stopped in; earlier ones (a batch over
+            # n_ubatch) stay unless dropped here, and the caller counts on none of the batch being kept.
+            starts: dict[int, int] = {}
+            for i in range(n):
+                starts[seq_ids[i]] = min(starts.get(seq_ids[i], positions[i]), positions[i])
+            for seq_id, start in starts.items():
+                self.seq_rm(seq_id, start, -1)
+            return DECODE_INTERRUPTED
         raise ModelError(f"llama_decode failed with status {status}{last_llama_error()}")
+
+    def interrupt(self, stop: bool) -> None:
+        self._stop_flag[0] = b"\x01" if stop else b"\x00"
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
         """A sampler for `steps`. A grammar without penalties gets a `GrammarOnRejection`: the grammar is

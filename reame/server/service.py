@@ -198,4 +198,7 @@ def kv_samples(kv: KvStats, labels: dict[str, str]) -> list[Sample]:
             Sample("reame_kv_idle_snapshots_total", "counter", "idle slots' KV kept in the prefix cache as they gave "
                    "it up", labels, kv.idle_snapshots),
             Sample("reame_kv_tokens_moved_total", "counter", "prompt tokens whose KV cache reuse (n_cache_reuse) moved "
-                   "into place instead of prefilling them", labels, kv.tokens_moved)]
+                   "into place instead of prefilling them", labels, kv.tokens_moved),
+            Sample("reame_decodes_interrupted_total", "counter", "decodes of a batch's lines stopped so that a request "
+                   "that arrived meanwhile starts at once (the lines' rows are computed again)", labels,
+                   kv.decodes_interrupted)]

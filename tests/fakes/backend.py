@@ -10,7 +10,8 @@ distribution pass their own `rule`.
 
 The KV "cache" is one token list per sequence with the same rules as llama's:
 positions must follow on, a whole context is shared by every sequence (a copied
-sequence shares its cells), and a full cache makes decode() report DECODE_NO_KV_SLOT.
+sequence shares its cells), and a full cache makes decode() report DECODE_NO_KV_SLOT;
+while `interrupt(True)` holds, a decode keeps nothing and reports DECODE_INTERRUPTED.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from reame.model.backend import DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
+from reame.model.backend import DECODE_INTERRUPTED, DECODE_NO_KV_SLOT, DECODE_OK, fallback_chat_format
 from reame.model.chat_template import ChatTemplate
 from reame.structured.grammar import GrammarState, GrammarTooAmbiguous
 from reame.structured.gbnf import compiled
@@ -267,6 +268,8 @@ class FakeBackend:
         self.reuses: list[list[tuple[int, int, int]]] = []  # seq_reuse's runs, call by call
         self.refused_restores = 0  # states refused for want of free cells (llama.cpp logs "failed to find")
         self.sampler_seq_ids: list[int | None] = []  # per chain: the sequence it was attached to, if any
+        self.stop = False  # Backend.interrupt's flag
+        self.interrupted_calls: list[list[tuple[int, int, int, bool]]] = []  # decodes it stopped
 
     # --- vocabulary ---
 
@@ -374,10 +377,17 @@ class FakeBackend:
                 results[i] = list(self.rule(cells))
                 if self.exact_rows is not None and n > self.exact_rows:
                     _batch_noise(results[i])
+        if self.stop:  # set while the rows were computed (a rule can submit a request): nothing is kept
+            self._outputs = {}
+            self.interrupted_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
+            return DECODE_INTERRUPTED
         self._kv, self._cells = staged, staged_cells
         self._outputs = results
         self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
         return DECODE_OK
+
+    def interrupt(self, stop: bool) -> None:
+        self.stop = stop
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> FakeSampler:
         self.sampler_seq_ids.append(seq_id)

@@ -1,11 +1,15 @@
 """The real libllama through our binding, on SmolLM2-135M-Instruct."""
 
+import threading
+
 import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
-from reame.model.backend import DECODE_OK
+from reame.model.backend import DECODE_INTERRUPTED, DECODE_OK
 from reame.model.llama import LlamaBackend
 from reame.model.sampling import Step, chain_steps
+
+from tests.waiting import wait_until
 
 from .conftest import settings_for
 
@@ -218,3 +222,67 @@ def test_embeddings_pool_alone_as_in_a_batch_and_leave_the_generation_kv_alone(b
     cosine = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
     assert cosine(batched[1], alone) > 0.9999
     assert cosine(batched[0], batched[1]) > cosine(batched[0], batched[2])
+
+
+def test_an_interrupted_decode_keeps_nothing_of_its_batch_and_the_sequence_continues_as_if_never_run(backend):
+    tokens = backend.tokenize(PROMPT)
+    first = prefill(backend, tokens, 0)
+    reference = greedy_continue(backend, [0], first, len(tokens))[0]
+    backend.clear()
+    head, rest = tokens[:8], tokens[8:]
+    assert backend.decode(head, list(range(8)), [0] * 8, [False] * 8) == DECODE_OK
+    backend.interrupt(True)
+    try:
+        assert backend.decode(rest, list(range(8, len(tokens))), [0] * len(rest),
+                              [False] * (len(rest) - 1) + [True]) == DECODE_INTERRUPTED
+    finally:
+        backend.interrupt(False)
+    assert backend.seq_pos_max(0) == 7  # the head stays, nothing of the stopped batch does
+    assert backend.decode(rest, list(range(8, len(tokens))), [0] * len(rest),
+                          [False] * (len(rest) - 1) + [True]) == DECODE_OK
+    sampler = backend.new_sampler(chain_steps(GREEDY))
+    try:
+        assert backend.sample(sampler, len(rest) - 1) == first
+    finally:
+        backend.free_sampler(sampler)
+    assert greedy_continue(backend, [0], first, len(tokens))[0] == reference
+
+
+def test_a_decode_stopped_from_another_thread_between_micro_batches_keeps_none_of_them(smollm2_path):
+    """n_ubatch 32: llama.cpp drops only the micro-batch it stopped in; the binding drops the earlier ones."""
+    with LlamaBackend(settings_for(smollm2_path, n_ubatch=32)) as small_steps:
+        tokens = (small_steps.tokenize(PROMPT) * 20)[:480]
+        outcomes = set()
+        for _ in range(3):
+            small_steps.clear()
+            stopper = threading.Thread(target=small_steps.interrupt, args=(True,))
+            stopper.start()
+            status = small_steps.decode(tokens, list(range(480)), [1] * 480, [False] * 479 + [True])
+            stopper.join()
+            small_steps.interrupt(False)
+            outcomes.add(status)
+            assert small_steps.seq_pos_max(1) == (479 if status == DECODE_OK else -1)
+        assert outcomes <= {DECODE_OK, DECODE_INTERRUPTED}
+
+
+def test_a_chat_during_a_batch_lines_long_prompt_interrupts_it_and_both_answer_as_alone(smollm2_path):
+    """The chat asks for its first token only, so the line then runs alone again: its prompt resumes from a
+    step boundary and splits into the same batches as alone. Each sequence has a KV stream of its own: in one
+    unified stream the chat's cells would lie between the line's, and attention summed over cells in another
+    order can flip a close greedy pick whether or not a decode was stopped (model/batch_numerics.py)."""
+    line = "<|im_start|>system\n" + "Tickets are sorted by urgency and team. " * 150 + \
+        "<|im_end|>\n<|im_start|>user\nThe printer is on fire.<|im_end|>\n<|im_start|>assistant\n"
+    line_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    chat_params = SamplingParams(temperature=0, max_tokens=1)
+    settings = settings_for(smollm2_path, kv_unified=False, n_ctx=4096, n_seq_max=2)
+    with Engine(LlamaBackend(settings), owns_backend=True) as engine:
+        alone_line = engine.generate(GenerationRequest(line, line_params)).text
+        alone_chat = engine.generate(GenerationRequest(PROMPT, chat_params)).text
+    settings = settings_for(smollm2_path, kv_unified=False, n_ctx=4096, n_seq_max=2)
+    with Engine(LlamaBackend(settings), owns_backend=True) as engine:
+        batch_line = engine.submit(GenerationRequest(line, line_params, background=True))
+        wait_until(lambda: engine.status.running == 1, what="the line to start")
+        chat = engine.submit(GenerationRequest(PROMPT, chat_params))
+        assert chat.result(120).text == alone_chat
+        assert batch_line.result(120).text == alone_line
+        assert engine.status.kv.decodes_interrupted >= 1

@@ -3,6 +3,7 @@ steps on the FakeBackend: prompt, generating, finished; a follower waiting on it
 
 from reame.engine import GenerationRequest, SamplingParams
 from reame.engine.admission import ContextLimits
+from reame.engine.interruption import BackgroundInterruption
 from reame.engine.request import Handle
 from reame.engine.sequences import Sequences
 from reame.engine.slots import Phase, Running, Slot
@@ -76,7 +77,8 @@ def test_followers_finished_requests_and_warm_prompts_fed_whole_get_no_rows():
 def test_a_request_goes_from_prompt_to_generating_to_finished_and_a_twin_follows_its_prefill():
     backend = FakeBackend(n_ctx=512, n_seq_max=2, n_batch=16)
     sequences = Sequences(backend, ContextLimits(512, 512, 2, 64), None, None, 0)
-    stepper = Stepper(backend, sequences, None, None, prefill_chunk_tokens=8)
+    stepper = Stepper(backend, sequences, None, None, prefill_chunk_tokens=8,
+                      interruption=BackgroundInterruption(backend))
     prompt = list(b"a prompt of twenty-two")
 
     def start():
