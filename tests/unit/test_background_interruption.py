@@ -20,8 +20,9 @@ def alone(prompt: str) -> str:
 
 
 def arriving_during(rows_of: str, background_chat: bool = False) -> tuple[Engine, FakeBackend, dict]:
-    """An engine whose first decode of `rows_of` ("line prompt" or "line decode") submits a chat from inside
-    the decode, as a request arriving on another thread while ggml computes."""
+    """A batch line answered by an engine whose first decode of `rows_of` ("line prompt" or "line decode")
+    submits a chat from inside the decode, as a request arriving on another thread while ggml computes; both
+    answers are checked against each one's answer alone."""
     submitted: dict = {}
     line_tokens = len(FakeBackend().tokenize(LINE))
 
@@ -36,18 +37,18 @@ def arriving_during(rows_of: str, background_chat: bool = False) -> tuple[Engine
 
     LINE_IDS = FakeBackend().tokenize(LINE)
     backend = FakeBackend(n_ctx=2048, n_seq_max=2, rule=rule)
-    engine = Engine(backend).start()
-    submitted["engine"] = engine
+    with Engine(backend) as engine:
+        submitted["engine"] = engine
+        line = engine.submit(GenerationRequest(LINE, GREEDY, background=True))
+        assert line.result(10).text == alone(LINE)
+        assert submitted["chat"].result(10).text == alone(CHAT)
+        wait_until(lambda: engine.status.running == 0, what="the engine to be idle")
     return engine, backend, submitted
 
 
 def test_a_chat_arriving_during_a_lines_prompt_stops_that_decode_and_is_prefilled_first():
     engine, backend, submitted = arriving_during("line prompt")
-    with engine:
-        line = engine.submit(GenerationRequest(LINE, GREEDY, background=True))
-        assert line.result(10).text == alone(LINE)
-        assert submitted["chat"].result(10).text == alone(CHAT)
-        wait_until(lambda: engine.status.kv.decodes_interrupted == 1, what="the interruption to be counted")
+    assert engine.status.kv.decodes_interrupted == 1
     [stopped] = backend.interrupted_calls
     assert stopped[-1][0] == backend.tokenize(LINE)[-1]  # the decode of the line's last prompt token
     # The next decodes carry the chat's prompt alone (the plan keeps background rows out of them); the stopped
@@ -61,19 +62,12 @@ def test_a_chat_arriving_during_a_lines_prompt_stops_that_decode_and_is_prefille
 
 def test_a_chat_arriving_during_a_lines_decode_step_stops_it_too():
     engine, backend, submitted = arriving_during("line decode")
-    with engine:
-        line = engine.submit(GenerationRequest(LINE, GREEDY, background=True))
-        assert line.result(10).text == alone(LINE)
-        assert submitted["chat"].result(10).text == alone(CHAT)
     assert len(backend.interrupted_calls) == 1 and len(backend.interrupted_calls[0]) == 1  # the line's one row
     assert engine.status.kv.decodes_interrupted == 1
 
 
 def test_another_batch_line_arriving_stops_nothing():
     engine, backend, submitted = arriving_during("line prompt", background_chat=True)
-    with engine:
-        engine.submit(GenerationRequest(LINE, GREEDY, background=True)).result(10)
-        submitted["chat"].result(10)
     assert backend.interrupted_calls == [] and engine.status.kv.decodes_interrupted == 0
 
 
