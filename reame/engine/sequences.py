@@ -192,9 +192,9 @@ class Sequences:
     def _restore(self, saved: SessionState | Snapshot, seq_id: int, shared: int) -> int:
         """Restore saved KV into the empty sequence `seq_id` and keep its first `shared` tokens; return how many
         were kept (0: the prompt is prefilled, the reason logged and counted)."""
-        head = self.heads is not None and self.heads.holds(saved)
-        cache = self.cache if isinstance(saved, Snapshot) and not head else None
-        source = "head" if head else "snapshot" if cache is not None else "session"
+        heads = self.heads if self.heads is not None and self.heads.holds(saved) else None
+        cache = self.cache if isinstance(saved, Snapshot) and heads is None else None
+        source = "head" if heads is not None else "snapshot" if cache is not None else "session"
         cells = len(saved.tokens)  # all of them are placed, however many are kept
         if not self.make_room(cells, seq_id):
             outcome = "no_room"
@@ -214,10 +214,9 @@ class Sequences:
         log.info("a %s of %d tokens was not restored (%s): its prompt is prefilled", source, cells,
                  "running sequences hold the cells it needs" if outcome == "no_room"
                  else "this context refused the state")
-        if outcome == "rejected" and isinstance(saved, Snapshot):  # never offered here again; one that found
-            if head:                                                 # no room stays
-                assert self.heads is not None
-                self.heads.forget(saved)
+        if outcome == "rejected" and isinstance(saved, Snapshot):  # never offered here again (no room: kept)
+            if heads is not None:
+                heads.forget(saved)
             elif cache is not None:
                 cache.restore_failed(saved)
         return 0
