@@ -14,7 +14,7 @@ reame reame.answers reame.assembly reame.autoconfig reame.cache reame.cache.answ
 reame.cache.heads reame.cache.prefix reame.cache.store
 reame.catalog reame.chat reame.cli reame.cli_flags reame.conclave reame.config reame.ctypes_llama
 reame.ctypes_llama._lib reame.ctypes_llama.api reame.ctypes_llama.types reame.engine reame.engine.admission
-reame.engine.embeddings
+reame.engine.embeddings reame.engine.interruption
 reame.engine.kv reame.engine.prompt reame.engine.request reame.engine.scheduler reame.engine.sequences
 reame.engine.slots reame.engine.step reame.engine.textstream reame.errors reame.fetch reame.files reame.gguf reame.model
 reame.model.backend reame.model.batch_numerics reame.model.chat_template reame.model.embedding
