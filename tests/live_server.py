@@ -38,11 +38,6 @@ class LiveServer:
         self.process.wait(timeout=30)
 
 
-def _read_lines(stream: Iterator[str], lines: list[str]) -> None:
-    for line in stream:
-        lines.append(line)
-
-
 @contextmanager
 def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
     """Start `command` (a `reame … --serve --port 0`), wait until /health answers 200, yield it;
@@ -60,7 +55,7 @@ def live_server(command: list[str], **popen: object) -> Iterator[LiveServer]:
             base = found.group(1)
             break
     assert base, "the server did not say where it listens:\n" + "".join(log)
-    reader = threading.Thread(target=_read_lines, args=(process.stderr, log), name="live-server-stderr", daemon=True)
+    reader = threading.Thread(target=log.extend, args=(process.stderr,), name="live-server-stderr", daemon=True)
     reader.start()
     deadline = time.monotonic() + LOAD_TIMEOUT_S
     while time.monotonic() < deadline:
