@@ -35,11 +35,13 @@ class Decode:
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """Up to `take` prompt tokens of a sequence, from `start` (fewer when drafts took the batch's room)."""
+    """Up to `take` prompt tokens of a sequence, from `start` (fewer when drafts took the batch's room), and
+    when it ends the prompt, how many drafts of the answer's first tokens may follow it (0: none asked)."""
 
     running: Running
     start: int
     take: int
+    draft_room: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,9 @@ class StepPlan:
 
 def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
               drafts_allowed: bool, exact_rows: int | None = None) -> StepPlan:
-    """The next decode's rows: each generating sequence's next token (with room for drafts once it has two
-    tokens out: drafting right after the first would keep the engine thread on the GIL while that token's
-    handler waits to send it), then prompts, at most `prefill_chunk_tokens` per step while sequences
+    """The next decode's rows: each generating sequence's next token (with room for drafts, see
+    `_draft_room`), then prompts (the chunk that ends one with room for drafts of its answer's first
+    tokens, see `_answer_draft_room`), at most `prefill_chunk_tokens` per step while sequences
     decode, so a long newcomer delays running streams by one chunk, never by its whole prompt. With no
     stream to protect, a prompt takes the whole batch.
 
@@ -93,8 +95,15 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
         if sequence.solo_last and sequence.n_fed < end - 1:
             end -= 1  # the last token goes alone, in a later step
         take = min(budget, end - sequence.n_fed)
-        chunks.append(PromptChunk(sequence, sequence.n_fed, take))
+        ends = sequence.n_fed + take == len(sequence.prompt)
+        chunks.append(PromptChunk(sequence, sequence.n_fed, take,
+                                  _answer_draft_room(sequence, n_ctx_seq) if drafts_allowed and ends else 0))
         budget -= take
+    rows: list[Decode | PromptChunk] = [*decodes, *chunks]
+    if exact_rows is not None and any(row.running.reproducible for row in rows):
+        # A prompt's rows in a bigger batch than without drafts would decode another way for the sequences
+        # beside it (and for its own first token): exactness keeps such drafts out.
+        chunks = [PromptChunk(chunk.running, chunk.start, chunk.take) for chunk in chunks]
     draft_rows = None
     if exact_rows is not None and any(decode.draft_room and decode.running.reproducible for decode in decodes):
         if chunks or len(decodes) > exact_rows:
@@ -106,9 +115,24 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
 
 
 def _draft_room(sequence: Running, n_ctx_seq: int) -> int:
-    if not sequence.draftings or len(sequence.generated_tokens) < 2:
+    """How many drafts may follow the sequence's next token. None in the step right after a streamed answer's
+    first token: proposing (a long prompt's lookup index, the Palimpsest's search) would hold the GIL while
+    its caller sends that token. An answer nobody reads token by token (a batch's line, a whole answer)
+    drafts from its first token on: a schema's keys after its opening brace are a step saved per answer."""
+    if not sequence.draftings or (len(sequence.generated_tokens) < 2 and sequence.handle.request.streamed):
         return 0
     return max(0, min(sequence.max_tokens - len(sequence.generated_tokens) - 1, n_ctx_seq - sequence.n_fed - 1))
+
+
+def _answer_draft_room(sequence: Running, n_ctx_seq: int) -> int:
+    """How many drafts of the answer's first tokens may follow the prompt's last token in the step that
+    decodes it: a schema's opening (`{"category": "`) is verified with the prompt instead of in steps of its
+    own. None for a streamed answer (its first token would wait for the drafts' rows), a warm request (no
+    answer), or a prompt whose followers draw from its last row (they would have to share its drafts)."""
+    request = sequence.handle.request
+    if not sequence.draftings or request.streamed or request.warm or sequence.followers:
+        return 0
+    return max(0, min(sequence.max_tokens - 1, n_ctx_seq - len(sequence.prompt) - 1))
 
 
 Chosen = tuple[int, float | None, tuple[tuple[int, float], ...]]  # a token, its logprob, the top logprobs
@@ -124,6 +148,7 @@ class Draw:
     drafts: list[int]
     drafting: Drafting | None
     decoding: bool  # its next token was in the decode (not its prompt's last)
+    drafts_at: int  # the sequence's position of its first draft (of the token it draws first)
     chosen: list[Chosen] = field(default_factory=list)
 
     @property
@@ -214,11 +239,11 @@ class Stepper:
         batch, outcome = Batch(), StepOutcome()
         for decode in plan.decodes:
             running = decode.running
-            drafting, drafts = self._drafts(decode, len(plan.decodes) + outcome.drafted, len(plan.decodes),
-                                            None if plan.draft_rows is None else plan.draft_rows - outcome.drafted)
+            drafting, drafts = self._drafts(running, decode.draft_room, len(plan.decodes) + outcome.drafted,
+                                            len(plan.decodes), self._step_room(plan, outcome))
             outcome.drafted += len(drafts)
             assert running.next_token is not None
-            outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, decoding=True))
+            outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, True, running.n_fed + 1))
             batch.add([running.next_token, *drafts], running.n_fed, running.seq_id, True)
         room = backend.n_batch - len(batch.tokens)  # drafts come first: a chunk shrinks by what they took
         for chunk in plan.chunks:
@@ -231,9 +256,14 @@ class Stepper:
             outcome.fed.append((running, take))
             if last:
                 batch.outputs[-1] = True
-                row = len(batch.tokens) - 1
-                outcome.draws.extend(Draw(sequence, row, [], None, decoding=False)
-                                     for sequence in [running, *running.followers])
+                row, end = len(batch.tokens) - 1, len(running.prompt)
+                drafting, drafts = self._drafts(running, chunk.draft_room, len(batch.tokens),
+                                                len(outcome.draws) + 1, self._step_room(plan, outcome))
+                batch.add(drafts, end, running.seq_id, True)
+                room -= len(drafts)
+                outcome.drafted += len(drafts)
+                outcome.draws.append(Draw(running, row, drafts, drafting, False, end))
+                outcome.draws.extend(Draw(follower, row, [], None, False, end) for follower in running.followers)
                 if running.followers:
                     outcome.clones.append(running)
         kv = self.sequences.kv
@@ -259,22 +289,27 @@ class Stepper:
                 kv.copy(leader.seq_id, follower.seq_id, len(leader.prompt))
         for draw in outcome.draws:
             draw.chosen = verify(backend, draw, draw.running.handle.request.logprobs)
-            if draw.decoding and draw.accepted < len(draw.drafts):  # the rejected drafts' KV goes
-                kv.remove(draw.running.seq_id, draw.running.n_fed + 1 + draw.accepted)
+            if draw.accepted < len(draw.drafts):  # the rejected drafts' KV goes
+                kv.remove(draw.running.seq_id, draw.drafts_at + draw.accepted)
         return outcome
 
-    def _drafts(self, decode: Decode, batch_tokens: int, sequences: int,
+    @staticmethod
+    def _step_room(plan: StepPlan, outcome: StepOutcome) -> int | None:
+        """Draft tokens the step may still carry (None: as many as the batch takes)."""
+        return None if plan.draft_rows is None else plan.draft_rows - outcome.drafted
+
+    def _drafts(self, running: Running, draft_room: int, batch_tokens: int, sequences: int,
                 step_room: int | None) -> tuple[Drafting | None, list[int]]:
-        """Tokens to verify after the sequence's next one, and their source: as many as its controller finds
-        worth it, within the plan's room for them (the sequence's, and `step_room` left in the step's) and
-        the batch's."""
-        room = min(decode.draft_room, self.backend.n_batch - batch_tokens - 1)
+        """Tokens to verify after the sequence's next one (or its prompt's last), and their source: as many as
+        its controller finds worth it, within the plan's room for them (`draft_room`, the sequence's, and
+        `step_room` left in the step's) and the batch's."""
+        room = min(draft_room, self.backend.n_batch - batch_tokens - 1)
         if step_room is not None:
             room = min(room, step_room)
         if room <= 0:
             return None, []
         assert self.speculation is not None
-        return self.speculation.propose(decode.running.draftings, batch_tokens, sequences, room)
+        return self.speculation.propose(running.draftings, batch_tokens, sequences, room)
 
     def apply(self, outcome: StepOutcome) -> None:
         """The sequences' new state: prompt progress and snapshots, followers sharing their leader's prompt,
@@ -307,8 +342,7 @@ class Stepper:
 
     def _emit(self, draw: Draw) -> None:
         running = draw.running
-        if draw.decoding:  # its next token and the accepted drafts are in the KV
-            running.n_fed += 1 + draw.accepted
+        running.n_fed = draw.drafts_at + draw.accepted  # its KV: all before its drafts, and the drafts accepted
         if draw.drafting is not None:
             assert self.speculation is not None
             self.speculation.verified(draw.drafting, len(draw.drafts), draw.accepted)

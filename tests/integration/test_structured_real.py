@@ -48,20 +48,24 @@ def test_answers_under_a_schema_validate_on_the_real_model(native_libraries, smo
 
 
 def test_il_suggeritore_drafts_forced_text_and_greedy_answers_do_not_change(native_libraries, smollm2_path):
+    """Also from the answer's first token: a whole answer's prompt step verifies the schema's opening."""
     def answer(speculate):
         with LlamaBackend(settings_for(smollm2_path, n_seq_max=1)) as backend:
             source = Suggeritore(backend.token_piece, lambda t: backend.tokenize(t, add_special=False,
                                                                                 parse_special=False),
                                  backend.detokenize)
             speculation = Speculation(source, max_draft=12, cost=FreeDrafts()) if speculate else None
+            decode, rows = backend.decode, []
+            backend.decode = lambda tokens, *rest: rows.append(len(tokens)) or decode(tokens, *rest)
             with Engine(backend, speculation=speculation) as engine:
                 prompt = backend.apply_chat_template([{"role": "user", "content": "The weather in Rome, as JSON."}])
                 params = SamplingParams(temperature=0, max_tokens=200, grammar=schema_to_gbnf(SCHEMAS[1]))
-                return engine.generate(GenerationRequest(prompt, params))
-    plain, fast = answer(False), answer(True)
+                return engine.generate(GenerationRequest(prompt, params)), rows[1], len(backend.tokenize(prompt))
+    (plain, plain_prefill, n_prompt), (fast, fast_prefill, _) = answer(False), answer(True)
     assert fast.tokens == plain.tokens
     jsonschema.validate(json.loads(fast.text), SCHEMAS[1])
     assert fast.finish.usage.accepted_draft_tokens >= 5
+    assert plain_prefill == n_prompt < fast_prefill  # `{"city": "` drafted after the prompt's last token
 
 
 def test_the_grammar_checks_only_the_drawn_token_and_picks_what_applying_it_everywhere_picks(backend):

@@ -30,6 +30,11 @@ def copying_rule(history):
     return default_rule(history)
 
 
+def step_decoding(backend, position):
+    """The rows of the first decode that fed `position` (of the sequence in slot 0)."""
+    return next(call for call in backend.decode_calls if (0, position) in {(seq, pos) for _, pos, seq, _ in call})
+
+
 def measured(cost, n_tokens, *seconds):
     """Steps of `n_tokens` took `seconds`; the cost model skips a size's first step (llama.cpp builds the
     new shape's graph in it), so one is shown first."""
@@ -117,6 +122,41 @@ def test_several_sequences_speculate_in_one_batch_with_their_solo_outputs():
         together = [h.result(timeout_s=10).tokens for h in handles]
     assert together == solo
     assert any(len({seq for _, _, seq, _ in call}) == 3 and len(call) > 3 for call in backend.decode_calls)
+
+
+def test_a_whole_answer_verifies_its_first_drafts_in_its_prompts_step_a_streamed_one_does_not():
+    """The lookup finds the prompt's end earlier in it: an answer nobody reads token by token gets those
+    drafts after its prompt's last token, in the prefill's decode; a streamed one sends its first token
+    first. Both answers are the plain one."""
+    prompt = COPY_TEXT * 3
+    plain, _ = generate(prompt, GREEDY)
+    whole, whole_backend = generate(prompt, GREEDY, Speculation(PromptLookup(), max_draft=6, cost=FrozenCost()))
+    streamed_params = GenerationRequest(prompt, GREEDY, streamed=True)
+    backend = FakeBackend(n_ctx=4096, n_seq_max=1, n_batch=256, rule=copying_rule)
+    with Engine(backend, speculation=Speculation(PromptLookup(), max_draft=6, cost=FrozenCost())) as engine:
+        streamed = engine.generate(streamed_params)
+    assert whole.tokens == streamed.tokens == plain.tokens
+    n_prompt = len(whole_backend.tokenize(prompt))
+    last = step_decoding(whole_backend, n_prompt - 1)  # the prompt's last token (alone: a long prompt's)
+    assert [(position, output) for _, position, _, output in last] == [(n_prompt - 1 + n, True) for n in range(7)]
+    assert [token for token, *_ in last[1:5]] == plain.tokens[:4]  # its first four drafts were the answer's
+    assert len(step_decoding(backend, n_prompt - 1)) == 1  # the streamed answer's: alone
+    assert len(step_decoding(backend, n_prompt)) == 1  # and its first token alone, as it is being sent
+
+
+def test_drafts_rejected_in_the_prompts_step_leave_the_kv_with_the_prompt_and_what_was_emitted():
+    source = AlwaysDraft(ord("q"))  # never what the copying model writes
+    prompt = COPY_TEXT * 2
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain, _ = generate(prompt, params)
+    backend = FakeBackend(n_ctx=4096, n_batch=256, rule=copying_rule)
+    with Engine(backend, speculation=Speculation(source, max_draft=4, cost=FrozenCost())) as engine:
+        result = engine.generate(GenerationRequest(prompt, params))
+        held = backend.kv_tokens(0)
+    n_prompt = len(backend.tokenize(prompt))
+    assert result.tokens == plain.tokens
+    assert len(step_decoding(backend, n_prompt - 1)) == 5 and result.finish.usage.accepted_draft_tokens == 0
+    assert held == backend.tokenize(prompt) + result.tokens[:4]  # the last token is never decoded
 
 
 def test_the_kv_holds_exactly_the_emitted_tokens_after_rejections():

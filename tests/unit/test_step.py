@@ -12,9 +12,10 @@ from tests.fakes.backend import FakeBackend
 
 
 def sequence(prompt_length, seq_id=0, fed=0, phase=Phase.PROMPT, generated=(), draftings=(), max_tokens=100,
-             background=False):
+             background=False, streamed=False, params=SamplingParams()):
     prompt = list(range(1, prompt_length + 1))
-    running = Running(Handle(GenerationRequest(prompt, SamplingParams(), background=background), prompt),
+    request = GenerationRequest(prompt, params, background=background, streamed=streamed)
+    running = Running(Handle(request, prompt),
                       Slot(seq_id), object(), max_tokens, seq_id)
     running.n_fed, running.phase = fed, phase
     running.generated_tokens = list(generated)
@@ -51,14 +52,34 @@ def test_background_sequences_step_aside_while_a_foreground_prompt_is_prefilled(
 
 def test_a_plan_asks_for_drafts_only_within_the_answers_and_the_contexts_room():
     drafting = [object()]
-    fresh = sequence(10, 0, fed=11, phase=Phase.GENERATING, generated=[5], draftings=drafting)
+    streamed = sequence(10, 0, fed=11, phase=Phase.GENERATING, generated=[5], draftings=drafting, streamed=True)
+    whole = sequence(10, 3, fed=11, phase=Phase.GENERATING, generated=[5], draftings=drafting)
     going = sequence(10, 1, fed=12, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting, max_tokens=8)
     near_the_end = sequence(10, 2, fed=95, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting)
-    plan = plan_step([fresh, going, near_the_end], n_batch=64, n_ctx_seq=100, prefill_chunk_tokens=128,
+    plan = plan_step([streamed, whole, going, near_the_end], n_batch=64, n_ctx_seq=100, prefill_chunk_tokens=128,
                      drafts_allowed=True)
-    assert [decode.draft_room for decode in plan.decodes] == [0, 5, 4]
+    # a streamed answer's first token goes out before anything is drafted after it; a whole answer drafts at once
+    assert [decode.draft_room for decode in plan.decodes] == [0, 88, 5, 4]
     paused = plan_step([going], n_batch=64, n_ctx_seq=100, prefill_chunk_tokens=128, drafts_allowed=False)
     assert paused.decodes == (Decode(going, 0),)
+
+
+def test_the_chunk_that_ends_a_whole_answers_prompt_has_room_for_drafts_of_its_first_tokens():
+    drafting = [object()]
+    whole = sequence(30, 0, draftings=drafting, params=SamplingParams(temperature=0.7))
+    streamed = sequence(30, 1, draftings=drafting, streamed=True)
+    cut = sequence(300, 2, draftings=drafting)  # its prompt does not end in this step
+    plan = plan_step([whole, streamed, cut], n_batch=128, n_ctx_seq=100, prefill_chunk_tokens=0,
+                     drafts_allowed=True)
+    assert plan.chunks == (PromptChunk(whole, 0, 30, 69), PromptChunk(streamed, 0, 30), PromptChunk(cut, 0, 68))
+    # With exactness, a greedy sequence beside it would decode its rows in another batch than without drafts
+    greedy = sequence(30, 3, draftings=drafting, params=SamplingParams(temperature=0))
+    exact = plan_step([whole, greedy], n_batch=128, n_ctx_seq=100, prefill_chunk_tokens=0, drafts_allowed=True,
+                      exact_rows=3)
+    assert exact.chunks == (PromptChunk(whole, 0, 30), PromptChunk(greedy, 0, 30))
+    alone = plan_step([whole], n_batch=128, n_ctx_seq=100, prefill_chunk_tokens=0, drafts_allowed=True,
+                      exact_rows=3)
+    assert alone.chunks == (PromptChunk(whole, 0, 30, 69),)
 
 
 def test_followers_finished_requests_and_warm_prompts_fed_whole_get_no_rows():
