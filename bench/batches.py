@@ -135,7 +135,8 @@ def main() -> None:
             servers.stop()
     best = min(peer, key=lambda concurrency: peer[concurrency]) if peer else 0
     print(f"machine: {machine()} · {Path(path).name} · {args.threads} threads · {args.slots} slots · "
-          f"{args.lines} tickets · Reame batch_concurrency {args.concurrency}\n")
+          f"{args.lines} tickets · Reame batch_concurrency {args.concurrency}, speculative.exact "
+          f"{os.environ['REAME_SPECULATIVE_EXACT']} (REAME_SPECULATIVE_EXACT; bench/common.py sets 0 unless given)\n")
     counts = batch["request_counts"]
     rows = [["Reame batch", f"{reame_seconds:.1f}", f"{counts['completed']}/{counts['total']}",
              f"{peer[best] / reame_seconds:.2f}x" if peer else "not run"]]
