@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reame.cache import PrefixCache, Snapshot
 from reame.engine.interruption import BackgroundInterruption
@@ -103,7 +103,7 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
     if exact_rows is not None and any(row.running.reproducible for row in rows):
         # A prompt's rows in a bigger batch than without drafts would decode another way for the sequences
         # beside it (and for its own first token): exactness keeps such drafts out.
-        chunks = [PromptChunk(chunk.running, chunk.start, chunk.take) for chunk in chunks]
+        chunks = [replace(chunk, draft_room=0) for chunk in chunks]
     draft_rows = None
     if exact_rows is not None and any(decode.draft_room and decode.running.reproducible for decode in decodes):
         if chunks or len(decodes) > exact_rows:
@@ -147,7 +147,6 @@ class Draw:
     row: int
     drafts: list[int]
     drafting: Drafting | None
-    decoding: bool  # its next token was in the decode (not its prompt's last)
     drafts_at: int  # the sequence's position of its first draft (of the token it draws first)
     chosen: list[Chosen] = field(default_factory=list)
 
@@ -243,7 +242,7 @@ class Stepper:
                                             len(plan.decodes), self._step_room(plan, outcome))
             outcome.drafted += len(drafts)
             assert running.next_token is not None
-            outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, True, running.n_fed + 1))
+            outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, running.n_fed + 1))
             batch.add([running.next_token, *drafts], running.n_fed, running.seq_id, True)
         room = backend.n_batch - len(batch.tokens)  # drafts come first: a chunk shrinks by what they took
         for chunk in plan.chunks:
@@ -262,8 +261,8 @@ class Stepper:
                 batch.add(drafts, end, running.seq_id, True)
                 room -= len(drafts)
                 outcome.drafted += len(drafts)
-                outcome.draws.append(Draw(running, row, drafts, drafting, False, end))
-                outcome.draws.extend(Draw(follower, row, [], None, False, end) for follower in running.followers)
+                outcome.draws.append(Draw(running, row, drafts, drafting, end))
+                outcome.draws.extend(Draw(follower, row, [], None, end) for follower in running.followers)
                 if running.followers:
                     outcome.clones.append(running)
         kv = self.sequences.kv

@@ -131,10 +131,10 @@ def test_a_whole_answer_verifies_its_first_drafts_in_its_prompts_step_a_streamed
     prompt = COPY_TEXT * 3
     plain, _ = generate(prompt, GREEDY)
     whole, whole_backend = generate(prompt, GREEDY, Speculation(PromptLookup(), max_draft=6, cost=FrozenCost()))
-    streamed_params = GenerationRequest(prompt, GREEDY, streamed=True)
+    streamed_request = GenerationRequest(prompt, GREEDY, streamed=True)
     backend = FakeBackend(n_ctx=4096, n_seq_max=1, n_batch=256, rule=copying_rule)
     with Engine(backend, speculation=Speculation(PromptLookup(), max_draft=6, cost=FrozenCost())) as engine:
-        streamed = engine.generate(streamed_params)
+        streamed = engine.generate(streamed_request)
     assert whole.tokens == streamed.tokens == plain.tokens
     n_prompt = len(whole_backend.tokenize(prompt))
     last = step_decoding(whole_backend, n_prompt - 1)  # the prompt's last token (alone: a long prompt's)
