@@ -73,10 +73,12 @@ X86_VARIANTS = ("x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswe
 CPU_VARIANTS = {"x86_64": X86_VARIANTS, "aarch64": ARM_VARIANTS}
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* win over -march=native in GCC
 # What a cached build must have been made with: raised whenever the recipe changes, so older builds are redone.
-BUILD_RECIPE = 2
+BUILD_RECIPE = 3
 ARCHES = ("x86_64", "aarch64")
 
 THIRD_PARTY = ROOT / "third_party" / "llama.cpp"
+# Reame's changes to the pinned source, unified diffs applied in name order after unpacking it.
+PATCHES = ROOT / "third_party" / "patches"
 BENCH_TOOLS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-completion")
 # What a missing prerequisite is called, and its Debian/Ubuntu package.
 PACKAGES = {"cmake": "cmake", "a C++ compiler": "g++", "pip": "python3-pip"}
@@ -282,10 +284,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def source_pin() -> str:
+    """What an unpacked source must have been made from: the sdist and every patch's text."""
+    digest = hashlib.sha256()
+    for patch in sorted(PATCHES.glob("*.patch")):
+        digest.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
+    return f"{SDIST_SHA256} patches {digest.hexdigest()}"
+
+
 def unpack_llama_source(archive: Path, destination: Path) -> None:
-    """Extract the sdist's vendor/llama.cpp into `destination` (atomically)."""
+    """Extract the sdist's vendor/llama.cpp into `destination` and apply PATCHES (atomically)."""
     stamp = destination / ".reame-pin"
-    if stamp.exists() and stamp.read_text().strip() == SDIST_SHA256:
+    if stamp.exists() and stamp.read_text().strip() == source_pin():
         return
     say(f"unpacking llama.cpp {LLAMA_COMMIT} into {destination}")
     prefix = f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}/vendor/llama.cpp/"
@@ -301,7 +311,9 @@ def unpack_llama_source(archive: Path, destination: Path) -> None:
                 if member.name:
                     members.append(member)
             tar.extractall(staging, members=members, filter="data")
-        (staging / ".reame-pin").write_text(SDIST_SHA256 + "\n")
+        for patch in sorted(PATCHES.glob("*.patch")):
+            apply_patch(patch.read_text(), staging, patch.name)
+        (staging / ".reame-pin").write_text(source_pin() + "\n")
         destination.parent.mkdir(parents=True, exist_ok=True)
         if destination.exists():
             shutil.rmtree(destination)
@@ -309,6 +321,47 @@ def unpack_llama_source(archive: Path, destination: Path) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+HUNK_HEADER = re.compile(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+
+
+def apply_patch(text: str, root: Path, name: str) -> None:
+    """Apply a unified diff (`--- a/path`, `+++ b/path`, hunks) to the tree at `root`, exactly: every hunk's
+    old lines must stand where it says, or the build stops (a patch made for another pin). Text before the
+    first `--- ` line is its description. No fuzz, no offsets, no tool beyond Python."""
+    lines = text.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith("--- ")), len(lines))
+    while at < len(lines):
+        if not (lines[at].startswith("--- a/") and at + 1 < len(lines) and lines[at + 1].startswith("+++ b/")):
+            raise BuildError(f"patch {name}: expected '--- a/FILE' and '+++ b/FILE' at line {at + 1}")
+        target = root / lines[at + 1][len("+++ b/"):]
+        if not target.resolve().is_relative_to(root.resolve()):
+            raise BuildError(f"patch {name}: {lines[at + 1]} is outside the source tree")
+        source = target.read_text().split("\n")
+        at += 2
+        shift = 0  # lines added minus removed by this file's earlier hunks
+        while at < len(lines) and (header := HUNK_HEADER.match(lines[at])):
+            start = int(header.group(1)) - 1 + shift
+            old_count, new_count = (int(count or 1) for count in header.group(2, 3))
+            old: list[str] = []
+            new: list[str] = []
+            at += 1
+            while len(old) < old_count or len(new) < new_count:
+                line = lines[at] if at < len(lines) else "?"
+                if line[:1] not in (" ", "-", "+", ""):
+                    raise BuildError(f"patch {name}: a hunk ends early at line {at + 1}")
+                if line[:1] != "+":
+                    old.append(line[1:])
+                if line[:1] != "-":
+                    new.append(line[1:])
+                at += 1
+            if source[start:start + len(old)] != old:
+                raise BuildError(f"patch {name}: a hunk does not match {target.relative_to(root)} at line "
+                                 f"{start + 1}; the patch was made for another llama.cpp")
+            source[start:start + len(old)] = new
+            shift += len(new) - len(old)
+        target.write_text("\n".join(source))
 
 
 # --- build ---------------------------------------------------------------------------

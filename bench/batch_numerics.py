@@ -15,7 +15,11 @@ that is accepted whole), and each position's logits are compared with the
 one-row pass. Printed per B: the largest logit difference (median and maximum
 over positions), the positions whose most likely token differs from the
 one-row pass, and the chance that a whole answer of that length comes out
-unchanged if those flips were independent. Needs numpy.
+unchanged if those flips were independent. A second table does the same with
+every decode after the prompt computed row by row (Backend.decode's `rowwise`,
+Reame's patch to the pinned ggml; the engine's steps beside a greedy answer),
+against a one-row pass made the same way: no difference at any size is what
+keeps greedy answers exact under speculation. Needs numpy.
 """
 
 from __future__ import annotations
@@ -63,17 +67,33 @@ def greedy_answer(backend: LlamaBackend, prompt: list[int], n_tokens: int) -> li
     return answer
 
 
-def forced(backend: LlamaBackend, prompt: list[int], answer: Sequence[int], rows: int) -> np.ndarray:
+def forced(backend: LlamaBackend, prompt: list[int], answer: Sequence[int], rows: int,
+           rowwise: bool = False) -> np.ndarray:
     """Logits predicting each answer token (the prompt's last row, then each answer token's row but the
-    last), with the answer fed in batches of `rows`."""
+    last), with the answer fed in batches of `rows` (computed row by row: `rowwise`)."""
     predicting = [prefill(backend, prompt)]
     fed = list(answer[:-1])
     for start in range(0, len(fed), rows):
         chunk = fed[start:start + rows]
         positions = list(range(len(prompt) + start, len(prompt) + start + len(chunk)))
-        backend.decode(chunk, positions, [0] * len(chunk), [True] * len(chunk))
+        backend.decode(chunk, positions, [0] * len(chunk), [True] * len(chunk), rowwise)
         predicting.append(logits_rows(backend, range(len(chunk))))
     return np.concatenate(predicting)
+
+
+def compared(backend: LlamaBackend, prompt: list[int], answer: list[int], rowwise: bool) -> list[list[str]]:
+    """Per batch size: how far its rows' logits are from the one-row pass's, both fed `rowwise` or not."""
+    one_row = forced(backend, prompt, answer, 1, rowwise)
+    choices = one_row.argmax(axis=1)
+    rows = []
+    for batch in BATCH_ROWS:
+        logits = one_row if batch == 1 else forced(backend, prompt, answer, batch, rowwise)
+        difference = np.abs(logits - one_row).max(axis=1)
+        flips = int((logits.argmax(axis=1) != choices).sum())
+        unchanged = (1 - flips / len(answer)) ** len(answer)
+        rows.append([str(batch), f"{np.median(difference):.3f}", f"{difference.max():.3f}",
+                     f"{flips}/{len(answer)}", f"{unchanged:.2f}"])
+    return rows
 
 
 def main() -> None:
@@ -85,21 +105,16 @@ def main() -> None:
         prompt = backend.tokenize(backend.apply_chat_template([{"role": "user", "content": REPEATED}]))
         answer = greedy_answer(backend, prompt, args.tokens)
         one_row = forced(backend, prompt, answer, 1)
-        choices = one_row.argmax(axis=1)
         ranked = np.sort(one_row, axis=1)
         margins = ranked[:, -1] - ranked[:, -2]
-        rows = []
-        for batch in BATCH_ROWS:
-            logits = one_row if batch == 1 else forced(backend, prompt, answer, batch)
-            difference = np.abs(logits - one_row).max(axis=1)
-            flips = int((logits.argmax(axis=1) != choices).sum())
-            unchanged = (1 - flips / len(answer)) ** len(answer)
-            rows.append([str(batch), f"{np.median(difference):.3f}", f"{difference.max():.3f}",
-                         f"{flips}/{len(answer)}", f"{unchanged:.2f}"])
+        tables = {rowwise: compared(backend, prompt, answer, rowwise)
+                  for rowwise in ((False, True) if backend.supports_rowwise else (False,))}
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {Path(path).name} · {args.threads} threads · "
-          f"greedy answer of {len(answer)} tokens · {time.perf_counter() - started:.0f} s\n")
-    print_table(["rows a batch", "largest logit difference vs 1 row (median)", "(max)", "most likely token differs",
-                 "whole answer unchanged (if independent)"], rows)
+          f"greedy answer of {len(answer)} tokens · {time.perf_counter() - started:.0f} s")
+    for rowwise, rows in tables.items():
+        print("\nrow by row (decode's rowwise):\n" if rowwise else "\nggml's batched kernels:\n")
+        print_table(["rows a batch", "largest logit difference vs 1 row (median)", "(max)",
+                     "most likely token differs", "whole answer unchanged (if independent)"], rows)
     near = int((margins < 0.5).sum())
     print(f"\npositions whose top two logits are within 0.5 in the one-row pass: {near}/{len(answer)} "
           f"(smallest gap {margins.min():.3f})")

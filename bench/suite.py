@@ -56,6 +56,8 @@ SUITE = (
           ("--products", "4", "--reps", "1", "--tokens", "96")),
     Bench("batch_numerics", "A row's logits by its batch's size: why a verified greedy answer can differ", (),
           ("--tokens", "96")),
+    Bench("rowwise", "What a step computed row by row (exact greedy answers) costs vs ggml's batched kernels", (),
+          ("--reps", "3"), needs=("native",)),
     Bench("tail_rows", "A prompt's tail after a cached prefix, by its rows, flash attention on and off", (),
           ("--reps", "1"), needs=("native",)),
     Bench("held_out", "Greedy means greedy: others' texts, speculation off, exact and not, a restart between",

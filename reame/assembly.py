@@ -49,7 +49,8 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     try:
         speculation = new_speculation(backend, settings, serving) if speculate else None
         return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint(), serving),
-                      speculation=speculation, owns_backend=frees_backend, warm_up=warm_up, **limits)
+                      speculation=speculation, owns_backend=frees_backend, warm_up=warm_up,
+                      rowwise=settings.speculative.exact and backend.supports_rowwise, **limits)
     except BaseException:
         backend.close()
         raise
@@ -87,19 +88,22 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
             raise
     if not sources:
         return None
+    # probed up to a step with a row for every sequence and one of them drafting all it may
     return Speculation(*sources, max_draft=options.max_draft_tokens,
-                       measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + 1)
+                       measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + backend.n_seq_max)
                        if options.exact else None)
 
 
 def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
     """Measures the batch sizes (up to `limit` rows) that decode each row exactly as a one-row step
-    (model/batch_numerics.py): once per model content, llama.cpp build, CPU, thread count and KV settings,
-    then remembered, so a start costs a file read. Call the result on the engine thread."""
+    (model/batch_numerics.py), row by row where the backend can (the engine's exact steps are made so):
+    once per model content, llama.cpp build, CPU, thread count and KV settings, then remembered, so a
+    start costs a file read. Call the result on the engine thread."""
     settings, libraries = backend.settings, loaded_libraries()
     cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
+    rowwise = backend.supports_rowwise
     fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
-                     settings.flash_attn, _build_name(libraries), cpu))
+                     settings.flash_attn, _build_name(libraries), cpu, *(["rowwise"] if rowwise else [])))
 
     def parse(text: str) -> int:
         rows = int(text)
@@ -107,7 +111,8 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
             raise ValueError(f"{rows} rows is outside 1..{limit}")
         return rows
 
-    return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit)), parse)
+    return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit, rowwise=rowwise)),
+                              parse)
 
 
 def _build_name(libraries: NativeLibraries | None) -> str:

@@ -367,6 +367,8 @@ class ggml_threadpool_params(Structure):
 ggml_threadpool_new_t = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(ggml_threadpool_params))
 # void ggml_threadpool_free(struct ggml_threadpool * threadpool);
 ggml_threadpool_free_t = ctypes.CFUNCTYPE(None, c_void_p)
+# Reame's patch (third_party/patches): void ggml_cpu_set_thread_use_ref(bool), reached the same way.
+ggml_cpu_set_thread_use_ref_t = ctypes.CFUNCTYPE(None, c_bool)
 
 
 # Every struct bound above, for the layout test.

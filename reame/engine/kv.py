@@ -104,10 +104,10 @@ class KvCells:
     # --- edits ----------------------------------------------------------------------------------
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> int:
+               outputs: Sequence[bool], rowwise: bool = False) -> int:
         """One `backend.decode`; on success each sequence's rows are placed, in new cells after what it held."""
         self.decodes += 1
-        status = self.backend.decode(tokens, positions, seq_ids, outputs)
+        status = self.backend.decode(tokens, positions, seq_ids, outputs, rowwise)
         if status == DECODE_INTERRUPTED:
             self.interrupted += 1
         if status == DECODE_OK:

@@ -91,7 +91,8 @@ class Engine:
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
                  speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S,
-                 max_answer_tokens: int = 0, owns_backend: bool = False, warm_up: bool = True) -> None:
+                 max_answer_tokens: int = 0, owns_backend: bool = False, warm_up: bool = True,
+                 rowwise: bool = False) -> None:
         """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
@@ -101,7 +102,9 @@ class Engine:
         `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room).
         `owns_backend`: close() closes the backend too (once the thread has ended). `warm_up`: a throwaway decode
         before the first request (LlamaBackend.warm_up); a one-shot prompt, whose prompt decodes next, skips it
-        (10 ms of SmolLM2-135M's 125 to its first token here)."""
+        (10 ms of SmolLM2-135M's 125 to its first token here). `rowwise`: a step of generating sequences
+        alone that carries a greedy or seeded one computes each row as a one-row step does (plan_step), so
+        such answers depend neither on drafts nor on the sequences beside them (Backend.supports_rowwise)."""
         self.backend = backend
         self.first_token_handoff_s = first_token_handoff_s
         self.cache = cache
@@ -136,7 +139,7 @@ class Engine:
         self._sequences = Sequences(backend, limits, cache, speculation, max_answer_tokens)
         self._interruption = BackgroundInterruption(backend)
         self._stepper = Stepper(backend, self._sequences, cache, speculation, prefill_chunk_tokens,
-                                self._interruption)
+                                self._interruption, rowwise and backend.supports_rowwise)
         self._waiting: deque[Handle] = deque()
         self._embeddings = Embeddings()
         self._changed = False  # the waiting queue changed since the status was published

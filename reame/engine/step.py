@@ -51,6 +51,7 @@ class StepPlan:
     decodes: tuple[Decode, ...] = ()
     chunks: tuple[PromptChunk, ...] = ()
     draft_rows: int | None = None  # the most draft tokens the whole step may carry (None: the batch's room)
+    rowwise: bool = False  # each row computed as a one-row step computes it (Backend.decode)
 
     def __bool__(self) -> bool:
         return bool(self.decodes or self.chunks)
@@ -63,7 +64,7 @@ class StepPlan:
 
 
 def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
-              drafts_allowed: bool, exact_rows: int | None = None) -> StepPlan:
+              drafts_allowed: bool, exact_rows: int | None = None, rowwise: bool = False) -> StepPlan:
     """The next decode's rows: each generating sequence's next token (with room for drafts, see
     `_draft_room`), then prompts (the chunk that ends one with room for drafts of its answer's first
     tokens, see `_answer_draft_room`), at most `prefill_chunk_tokens` per step while sequences
@@ -74,6 +75,10 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
     Beside a greedy or seeded sequence, drafts keep the whole step within it, so that sequence's answer is
     the one it would have been without them; where the step is bigger anyway (several streams, a prompt
     chunk), such a sequence drafts nothing and decodes exactly as it would without speculation.
+
+    `rowwise` (the backend can, and exactness is asked for): a step of generating sequences alone (no prompt
+    rows) that carries a greedy or seeded one computes each row with the one-row kernels, drafts or not, so
+    such an answer is the same whatever rows share its steps; `exact_rows` is then measured that way.
 
     Background sequences (a batch's lines) step aside while a foreground prompt is being prefilled: the step
     carries only foreground rows, so a person's first token costs what it does on an idle server."""
@@ -99,8 +104,9 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
         chunks.append(PromptChunk(sequence, sequence.n_fed, take,
                                   _answer_draft_room(sequence, n_ctx_seq) if drafts_allowed and ends else 0))
         budget -= take
-    rows: list[Decode | PromptChunk] = [*decodes, *chunks]
-    if exact_rows is not None and any(row.running.reproducible for row in rows):
+    reproducible = any(decode.running.reproducible for decode in decodes) or \
+        any(chunk.running.reproducible for chunk in chunks)
+    if exact_rows is not None and reproducible:
         # A prompt's rows in a bigger batch than without drafts would decode another way for the sequences
         # beside it (and for its own first token): exactness keeps such drafts out.
         chunks = [replace(chunk, draft_room=0) for chunk in chunks]
@@ -111,7 +117,7 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
                             for decode in decodes)
         else:
             draft_rows = exact_rows - len(decodes)
-    return StepPlan(decodes, tuple(chunks), draft_rows)
+    return StepPlan(decodes, tuple(chunks), draft_rows, rowwise and reproducible and not chunks)
 
 
 def _draft_room(sequence: Running, n_ctx_seq: int) -> int:
@@ -180,6 +186,7 @@ class StepOutcome:
     interrupted: bool = False  # stopped for a foreground arrival: nothing of it happened
     rows: int = 0
     seconds: float = 0.0
+    rowwise: bool = False  # the decode's rows were computed as one-row steps compute them
     drafted: int = 0
     fed: list[tuple[Running, int]] = field(default_factory=list)
     draws: list[Draw] = field(default_factory=list)
@@ -211,8 +218,10 @@ class Stepper:
 
     def __init__(self, backend: Backend, sequences: Sequences, cache: PrefixCache | None,
                  speculation: Speculation | None, prefill_chunk_tokens: int,
-                 interruption: BackgroundInterruption) -> None:
+                 interruption: BackgroundInterruption, rowwise: bool = False) -> None:
+        """`rowwise`: see plan_step (the backend must support it)."""
         self.backend = backend
+        self.rowwise = rowwise
         self.interruption = interruption
         self.sequences = sequences
         self.cache = cache
@@ -224,7 +233,7 @@ class Stepper:
         speculation = self.speculation
         return plan_step(self.sequences.running, self.backend.n_batch, self.backend.n_ctx_seq,
                          self.prefill_chunk_tokens, speculation is not None and not self.drafts_paused,
-                         None if speculation is None else speculation.exact_rows)
+                         None if speculation is None else speculation.exact_rows, self.rowwise)
 
     def step(self) -> None:
         """Plan, execute, apply one decode (nothing when no sequence has a row to feed)."""
@@ -239,7 +248,7 @@ class Stepper:
         for decode in plan.decodes:
             running = decode.running
             drafting, drafts = self._drafts(running, decode.draft_room, len(plan.decodes) + outcome.drafted,
-                                            len(plan.decodes), self._step_room(plan, outcome))
+                                            len(plan.decodes), self._step_room(plan, outcome), plan.rowwise)
             outcome.drafted += len(drafts)
             assert running.next_token is not None
             outcome.draws.append(Draw(running, len(batch.tokens), drafts, drafting, running.n_fed + 1))
@@ -257,7 +266,7 @@ class Stepper:
                 batch.outputs[-1] = True
                 row, end = len(batch.tokens) - 1, len(running.prompt)
                 drafting, drafts = self._drafts(running, chunk.draft_room, len(batch.tokens),
-                                                len(outcome.draws) + 1, self._step_room(plan, outcome))
+                                                len(outcome.draws) + 1, self._step_room(plan, outcome), False)
                 batch.add(drafts, end, running.seq_id, True)
                 room -= len(drafts)
                 outcome.drafted += len(drafts)
@@ -271,8 +280,8 @@ class Stepper:
             return outcome
         started = time.perf_counter()
         with self.interruption.background_decode() if plan.background_only else nullcontext():
-            status = kv.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs)
-        outcome.seconds, outcome.rows = time.perf_counter() - started, len(batch.tokens)
+            status = kv.decode(batch.tokens, batch.positions, batch.seq_ids, batch.outputs, plan.rowwise)
+        outcome.seconds, outcome.rows, outcome.rowwise = time.perf_counter() - started, len(batch.tokens), plan.rowwise
         if status == DECODE_INTERRUPTED:
             outcome.interrupted = True
             return outcome
@@ -298,17 +307,17 @@ class Stepper:
         return None if plan.draft_rows is None else plan.draft_rows - outcome.drafted
 
     def _drafts(self, running: Running, draft_room: int, batch_tokens: int, sequences: int,
-                step_room: int | None) -> tuple[Drafting | None, list[int]]:
+                step_room: int | None, rowwise: bool) -> tuple[Drafting | None, list[int]]:
         """Tokens to verify after the sequence's next one (or its prompt's last), and their source: as many as
         its controller finds worth it, within the plan's room for them (`draft_room`, the sequence's, and
-        `step_room` left in the step's) and the batch's."""
+        `step_room` left in the step's) and the batch's; `rowwise`: the step's rows are costed as such."""
         room = min(draft_room, self.backend.n_batch - batch_tokens - 1)
         if step_room is not None:
             room = min(room, step_room)
         if room <= 0:
             return None, []
         assert self.speculation is not None
-        return self.speculation.propose(running.draftings, batch_tokens, sequences, room)
+        return self.speculation.propose(running.draftings, batch_tokens, sequences, room, rowwise)
 
     def apply(self, outcome: StepOutcome) -> None:
         """The sequences' new state: prompt progress and snapshots, followers sharing their leader's prompt,
@@ -336,7 +345,7 @@ class Stepper:
             self._emit(draw)
         if self.speculation is not None:
             if not outcome.fed:  # prompt tokens need no logits: cheaper than the rows a verification outputs
-                self.speculation.cost.observe(outcome.rows, outcome.seconds)
+                self.speculation.cost_of(outcome.rowwise).observe(outcome.rows, outcome.seconds)
             self.speculation.stats.step(outcome.drafted > 0)
 
     def _emit(self, draw: Draw) -> None:

@@ -89,14 +89,17 @@ class Backend(Vocabulary, Protocol):
     sliding_window: int  # tokens a sliding-window layer attends to (0: the model has none)
     supports_rollback: bool  # seq_rm can drop a sequence's last positions (not a recurrent model's)
     can_shift: bool  # its memory can move cells to other positions (seq_reuse)
+    supports_rowwise: bool  # decode(rowwise=True) computes each row as a batch of that one row does
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> int:
+               outputs: Sequence[bool], rowwise: bool = False) -> int:
         """Evaluate one batch; return DECODE_OK, DECODE_NO_KV_SLOT or DECODE_INTERRUPTED (the KV then holds
         nothing of the batch), raise ModelError otherwise.
 
         Entry i puts tokens[i] at positions[i] of sequence seq_ids[i]; where
         outputs[i] is true, sample(…, i) and logits(i) may be called afterwards.
+        `rowwise` (where `supports_rowwise`): every row is computed with the kernels a batch of that one row
+        uses, so its result does not depend on the rows beside it (slower per row in bigger batches).
         """
         ...
 

@@ -39,11 +39,12 @@ FIRST_STAGE_ROWS = 4  # the tiled kernels' row group: most files that differ at 
 MAX_PROBED_ROWS = 33  # a bound on the probe's cost: larger draft batches are not assumed exact
 
 
-def exact_batch_rows(backend: Backend, limit: int, seq_id: int = 0) -> int:
+def exact_batch_rows(backend: Backend, limit: int, seq_id: int = 0, rowwise: bool = False) -> int:
     """The largest n <= `limit` such that batches of 1..n rows give every row the logits a one-row decode
-    gives it, bit for bit, after a short prefix and after one past 256 cells. Uses `seq_id`'s KV (it must
-    be empty, and is left empty) on the calling thread, which must be the thread that decodes (ggml's
-    thread team belongs to it)."""
+    gives it, bit for bit, after a short prefix and after one past 256 cells; `rowwise`: every decode but
+    the prefix's is made with Backend.decode's `rowwise`, as the engine makes its exact steps. Uses
+    `seq_id`'s KV (it must be empty, and is left empty) on the calling thread, which must be the thread that
+    decodes (ggml's thread team belongs to it)."""
     limit = max(1, min(limit, MAX_PROBED_ROWS, backend.n_batch))
     # The long prefix first: where the split-KV path makes every batch inexact, the short probe is then free.
     prefixes = [prefix for prefix in (LONG_PREFIX, SHORT_PREFIX) if prefix + limit <= backend.n_ctx_seq]
@@ -52,45 +53,45 @@ def exact_batch_rows(backend: Backend, limit: int, seq_id: int = 0) -> int:
     tokens = (tokens * (needed // max(len(tokens), 1) + 1))[:needed]
     try:
         for prefix in prefixes:
-            limit = _exact_rows_after(backend, tokens[:prefix], tokens[prefix:prefix + limit], seq_id)
+            limit = _exact_rows_after(backend, tokens[:prefix], tokens[prefix:prefix + limit], seq_id, rowwise)
         return limit
     finally:
         backend.seq_rm(seq_id)
 
 
-def _exact_rows_after(backend: Backend, prefix: list[int], forced: list[int], seq_id: int) -> int:
+def _exact_rows_after(backend: Backend, prefix: list[int], forced: list[int], seq_id: int, rowwise: bool) -> int:
     """The largest n <= len(forced) whose batches of 1..n rows of `forced` after `prefix` are exact."""
     backend.seq_rm(seq_id)
     start = len(prefix)
     for offset in range(0, start, backend.n_batch):
         chunk = prefix[offset:offset + backend.n_batch]
-        _decode(backend, chunk, offset, seq_id, outputs=False)
+        _decode(backend, chunk, offset, seq_id, outputs=False, rowwise=False)
     tested = 1
     for stage_end in sorted({min(FIRST_STAGE_ROWS, len(forced)), len(forced)}):
-        reference = _one_row_logits(backend, forced[:stage_end], start, seq_id)
+        reference = _one_row_logits(backend, forced[:stage_end], start, seq_id, rowwise)
         for rows in range(tested + 1, stage_end + 1):
             backend.seq_rm(seq_id, start, -1)
-            _decode(backend, forced[:rows], start, seq_id, outputs=True)
+            _decode(backend, forced[:rows], start, seq_id, outputs=True, rowwise=rowwise)
             if any(_row_bytes(backend, row) != reference[row] for row in range(rows)):
                 return rows - 1
             tested = rows
     return len(forced)
 
 
-def _one_row_logits(backend: Backend, tokens: list[int], start: int, seq_id: int) -> list[bytes]:
+def _one_row_logits(backend: Backend, tokens: list[int], start: int, seq_id: int, rowwise: bool) -> list[bytes]:
     """Each token's logits, fed one decode per token from position `start`."""
     backend.seq_rm(seq_id, start, -1)
     rows = []
     for offset, token in enumerate(tokens):
-        _decode(backend, [token], start + offset, seq_id, outputs=True)
+        _decode(backend, [token], start + offset, seq_id, outputs=True, rowwise=rowwise)
         rows.append(_row_bytes(backend, 0))
     return rows
 
 
-def _decode(backend: Backend, tokens: list[int], start: int, seq_id: int, outputs: bool) -> None:
+def _decode(backend: Backend, tokens: list[int], start: int, seq_id: int, outputs: bool, rowwise: bool) -> None:
     n = len(tokens)
     status = backend.decode(tokens, list(range(start, start + n)), [seq_id] * n,
-                            [outputs] * n if outputs else [False] * (n - 1) + [True])
+                            [outputs] * n if outputs else [False] * (n - 1) + [True], rowwise)
     if status != DECODE_OK:
         raise RuntimeError(f"the batch-numerics probe could not decode (status {status})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import ctypes
 import heapq
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,9 @@ from reame.model.library import forget_llama_errors, last_llama_error
 from reame.model.loaded_model import LoadedModel
 from reame.model.sampler_chain import GrammarOnRejection, new_chain
 from reame.model.sampling import Step
+
+# What ggml's per-thread reference-kernel flag (Reame's patch) was last set to on each decoding thread.
+_decoding_thread = threading.local()
 
 
 class LlamaBackend(LoadedModel):
@@ -67,6 +71,8 @@ class LlamaBackend(LoadedModel):
             raise ModelError(f"cannot create a context of {settings.n_ctx} tokens for {settings.path}"
                              f"{last_llama_error()}")
         self._threadpool = self._attach_threadpool(threads)
+        self._set_rowwise = self._cpu_function(b"ggml_cpu_set_thread_use_ref", t.ggml_cpu_set_thread_use_ref_t)
+        self.supports_rowwise = self._set_rowwise is not None
         # ggml asks the abort callback after every graph node, on the decoding thread with the GIL released:
         # it is libc's strlen over a two-byte flag (1, 0: stop; 0, 0: go on), so that no Python runs there.
         self._stop_flag = ctypes.create_string_buffer(2)
@@ -96,21 +102,28 @@ class LlamaBackend(LoadedModel):
         Returns the pool (freed in close), or None when the CPU backend offers none.
         """
         api = self._api
+        make = self._cpu_function(b"ggml_threadpool_new", t.ggml_threadpool_new_t)
+        free = self._cpu_function(b"ggml_threadpool_free", t.ggml_threadpool_free_t)
+        if make is None or free is None:
+            return None
+        params = api.ggml_threadpool_params_default(threads)
+        pool = make(ctypes.byref(params))
+        if not pool:
+            return None
+        self._free_threadpool = free
+        api.llama_attach_threadpool(self._ctx, pool, pool)
+        return pool
+
+    def _cpu_function(self, name: bytes, prototype: Any) -> Any:
+        """A function of ggml's CPU backend (ggml-cpu.h) by name, reached through its registry because the
+        backend may be a run-time-loaded variant library; None where the library has none."""
+        api = self._api
         if not api.available("ggml_backend_reg_get_proc_address"):
             return None
         device = api.ggml_backend_dev_by_type(t.GGML_BACKEND_DEVICE_TYPE_CPU)
         registry = api.ggml_backend_dev_backend_reg(device) if device else None
-        make = api.ggml_backend_reg_get_proc_address(registry, b"ggml_threadpool_new") if registry else None
-        free = api.ggml_backend_reg_get_proc_address(registry, b"ggml_threadpool_free") if registry else None
-        if not make or not free:
-            return None
-        params = api.ggml_threadpool_params_default(threads)
-        pool = t.ggml_threadpool_new_t(make)(ctypes.byref(params))
-        if not pool:
-            return None
-        self._free_threadpool = t.ggml_threadpool_free_t(free)
-        api.llama_attach_threadpool(self._ctx, pool, pool)
-        return pool
+        address = api.ggml_backend_reg_get_proc_address(registry, name) if registry else None
+        return prototype(address) if address else None
 
     def describe(self) -> dict[str, Any]:
         buffer = ctypes.create_string_buffer(256)
@@ -130,10 +143,16 @@ class LlamaBackend(LoadedModel):
     # --- inference (engine thread only) -----------------------------------------------
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> int:
+               outputs: Sequence[bool], rowwise: bool = False) -> int:
         n = len(tokens)
         if n == 0 or n > self.n_batch:
             raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
+        if rowwise != getattr(_decoding_thread, "rowwise", False) and self._set_rowwise is not None:
+            # ggml's reference kernels for the graphs this (the decoding) thread computes: Reame's patch to
+            # the pinned ggml (third_party/patches), read where the graph is planned, so decode by decode.
+            # A thread's flag, not a context's: a draft model decodes on its target's thread.
+            self._set_rowwise(rowwise)
+            _decoding_thread.rowwise = rowwise
         batch = self._batch
         assert batch is not None, "allocated with the context"
         token_array, pos_array, seq_array, logit_array = batch.token, batch.pos, batch.seq_id, batch.logits

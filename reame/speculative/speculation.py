@@ -88,6 +88,9 @@ class Speculation:
         self._measure_exact_rows = measure_exact_rows
         self.exact_rows: int | None = 1 if measure_exact_rows is not None else None
         self.cost = cost if cost is not None else CostModel()
+        # Steps whose rows are each computed as a one-row step does (plan_step's `rowwise`) cost more per
+        # row than the tiled kernels' steps of the same size: their own curve (a given `cost` is both).
+        self.rowwise_cost = CostModel() if cost is None else cost
         self.stats = SpeculationStats(max_draft)
         self._records = {source.name: _SourceRecord() for source in sources}
         self._lock = threading.Lock()
@@ -101,14 +104,19 @@ class Speculation:
                          DraftController(self.max_draft, priors[source.name], probes=not source.free), source.free)
                 for source in self.sources]
 
+    def cost_of(self, rowwise: bool) -> CostModel:
+        """The cost curve of steps computed row by row (`rowwise`) or with the batched kernels."""
+        return self.rowwise_cost if rowwise else self.cost
+
     def propose(self, draftings: Sequence[Drafting], batch_tokens: int, batch_yield: int,
-                room: int) -> tuple[Drafting | None, list[int]]:
+                room: int, rowwise: bool = False) -> tuple[Drafting | None, list[int]]:
         """The first draft offered by a source whose controller finds it worth it in a step carrying
-        `batch_tokens` for `batch_yield` sequences, and that source."""
+        `batch_tokens` for `batch_yield` sequences (computed row by row: `rowwise`), and that source."""
+        cost = self.cost_of(rowwise)
         for drafting in draftings:
             if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
                 guess = drafting.drafter.propose(min(self.max_draft, room))
-                drafts = guess[:drafting.controller.draft_length(self.cost, batch_tokens, 0.0, batch_yield)] \
+                drafts = guess[:drafting.controller.draft_length(cost, batch_tokens, 0.0, batch_yield)] \
                     if guess else []
                 if drafts:
                     drafting.shadow = []  # the verification measures this stretch
@@ -116,7 +124,7 @@ class Speculation:
                     drafting.shadow, drafting.shadow_matched = guess, 0
             else:  # weigh first: proposing is the expensive part
                 record = self._records[drafting.source]
-                k = drafting.controller.draft_length(self.cost, batch_tokens, record.seconds_per_draft, batch_yield)
+                k = drafting.controller.draft_length(cost, batch_tokens, record.seconds_per_draft, batch_yield)
                 if not k:
                     continue
                 started = time.perf_counter()

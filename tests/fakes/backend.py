@@ -233,6 +233,7 @@ class FakeBackend:
     has_fim = True
     has_fim_repo = True  # the repo-level FIM tokens (<|repo_name|>, <|file_sep|>), as Qwen2.5-Coder has
     supports_rollback = True
+    supports_rowwise = True
     can_shift = True
     sliding_window = 0
 
@@ -265,6 +266,7 @@ class FakeBackend:
         self._outputs: dict[int, list[float]] = {}
         # What tests look at: how the engine drove the model.
         self.decode_calls: list[list[tuple[int, int, int, bool]]] = []
+        self.rowwise_calls: list[bool] = []  # each successful decode's `rowwise`
         self.reuses: list[list[tuple[int, int, int]]] = []  # seq_reuse's runs, call by call
         self.refused_restores = 0  # states refused for want of free cells (llama.cpp logs "failed to find")
         self.sampler_seq_ids: list[int | None] = []  # per chain: the sequence it was attached to, if any
@@ -353,7 +355,7 @@ class FakeBackend:
         return vectors
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
-               outputs: Sequence[bool]) -> int:
+               outputs: Sequence[bool], rowwise: bool = False) -> int:
         n = len(tokens)
         if n == 0 or n > self.n_batch:
             raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
@@ -375,7 +377,7 @@ class FakeBackend:
             staged_cells.setdefault(seq, []).append(next(self._new_cells))
             if outputs[i]:
                 results[i] = list(self.rule(cells))
-                if self.exact_rows is not None and n > self.exact_rows:
+                if self.exact_rows is not None and n > self.exact_rows and not rowwise:
                     _batch_noise(results[i])
         if self.stop:  # set while the rows were computed (a rule can submit a request): nothing is kept
             self._outputs = {}
@@ -384,6 +386,7 @@ class FakeBackend:
         self._kv, self._cells = staged, staged_cells
         self._outputs = results
         self.decode_calls.append(list(zip(tokens, positions, seq_ids, outputs)))
+        self.rowwise_calls.append(rowwise)
         return DECODE_OK
 
     def interrupt(self, stop: bool) -> None:

@@ -2,6 +2,7 @@
 
 from reame.assembly import exact_rows_probe
 from reame.engine import Engine, GenerationRequest, SamplingParams
+from reame.model.batch_numerics import exact_batch_rows
 from reame.model.llama import LlamaBackend
 from reame.speculative import CostModel, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -24,12 +25,13 @@ def average(values):
 """)
 
 
-def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,), **settings):
-    """Greedy answers to `prompts`, all at once; `speculation` may be a function of the backend."""
+def answer(path, speculation, n_seq_max=1, prompts=(REWRITE,), rowwise=True, **settings):
+    """Greedy answers to `prompts`, all at once; `speculation` may be a function of the backend. `rowwise`:
+    generating steps beside a greedy sequence computed row by row, as Reame's engines make them by default."""
     with LlamaBackend(settings_for(path, n_seq_max=n_seq_max, **settings)) as backend:
         if callable(speculation):
             speculation = speculation(backend)
-        engine = Engine(backend, speculation=speculation)
+        engine = Engine(backend, speculation=speculation, rowwise=rowwise)
         chats = [backend.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
         handles = [engine.submit(GenerationRequest(chat, SamplingParams(temperature=0, max_tokens=100)))
                    for chat in chats]
@@ -150,12 +152,16 @@ def test_greedy_answers_stay_identical_where_batched_kernels_round_differently(n
     assert all(1 <= rows <= 9 for rows in exact_rows)
 
 
-def test_past_256_cells_of_an_f16_kv_no_batch_is_exact_and_greedy_answers_draft_nothing(native_libraries,
-                                                                                        smollm2_path):
+def test_past_256_cells_of_an_f16_kv_only_rows_computed_alone_are_exact(native_libraries, smollm2_path):
     """At the pin, flash attention over an f16 KV takes a split-KV path for a lone row once the KV view
-    reaches 512 cells, which no batch of 2 rows takes: the probe finds it, and a long greedy answer
-    decodes exactly as without speculation."""
+    reaches 512 cells, which no batch of 2 rows takes, so with ggml's batched kernels no batch is exact
+    there. Computed row by row (Reame's patch, Backend.decode's `rowwise`) every batch is, and a long
+    greedy answer drafts and decodes exactly as without speculation."""
+    with LlamaBackend(settings_for(smollm2_path)) as backend:
+        assert backend.supports_rowwise
+        assert exact_batch_rows(backend, 9) == 1
+        assert exact_batch_rows(backend, 9, rowwise=True) == 9
     (plain,) = answer(smollm2_path, None, prompts=(LONG_REWRITE,))
     (fast,), exact_rows = measured_answers(smollm2_path, (LONG_REWRITE,))
-    assert exact_rows == [1]
-    assert fast.text == plain.text and fast.finish.usage.draft_tokens == 0
+    assert exact_rows == [9]
+    assert fast.text == plain.text and fast.finish.usage.accepted_draft_tokens > 5

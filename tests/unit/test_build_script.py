@@ -256,3 +256,63 @@ def test_the_percentage_of_a_real_aarch64_build_follows_its_steps_where_makes_ow
     assert makes_full_at is not None and makes_full_at <= len(planned) // 10
     assert shown == sorted(shown) and shown[-1] == 100 and shown.count(100) == 1
     assert all(later - earlier <= 11 for earlier, later in zip(shown, shown[1:]))
+
+
+# --- Reame's patches to the pinned source ---------------------------------------------------------------
+
+PATCH = """What the patch does, in words: text before the first file is its description.
+
+--- a/src/one.c
++++ b/src/one.c
+@@ -1,3 +1,4 @@
+ int a;
+-int b;
++int b2;
++int b3;
+ int c;
+@@ -6,2 +7,2 @@
+ int f;
+-int g;
++int g2;
+--- a/two.h
++++ b/two.h
+@@ -1 +1 @@
+-old
++new
+"""
+
+
+def test_a_patch_is_applied_hunk_by_hunk_where_it_says(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "one.c").write_text("int a;\nint b;\nint c;\nint d;\nint e;\nint f;\nint g;\n")
+    (tmp_path / "two.h").write_text("old\n")
+    build_zipapp.apply_patch(PATCH, tmp_path, "0001-test.patch")
+    patched = "int a;\nint b2;\nint b3;\nint c;\nint d;\nint e;\nint f;\nint g2;\n"
+    assert (tmp_path / "src" / "one.c").read_text() == patched
+    assert (tmp_path / "two.h").read_text() == "new\n"
+
+
+def test_a_patch_made_for_another_source_stops_the_build(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "one.c").write_text("int a;\nint B;\nint c;\nint d;\nint e;\nint f;\nint g;\n")
+    (tmp_path / "two.h").write_text("old\n")
+    with pytest.raises(build_zipapp.BuildError, match="does not match src/one.c at line 1"):
+        build_zipapp.apply_patch(PATCH, tmp_path, "0001-test.patch")
+
+
+def test_the_unpacked_source_is_redone_when_a_patch_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(build_zipapp, "PATCHES", tmp_path)
+    (tmp_path / "0001-a.patch").write_text(PATCH)
+    before = build_zipapp.source_pin()
+    (tmp_path / "0001-a.patch").write_text(PATCH.replace("+new", "+newer"))
+    assert build_zipapp.source_pin() != before
+    assert build_zipapp.source_pin().startswith(build_zipapp.SDIST_SHA256)
+
+
+def test_the_projects_patches_are_well_formed_diffs():
+    patches = sorted(build_zipapp.PATCHES.glob("*.patch"))
+    assert patches
+    for patch in patches:
+        text = patch.read_text()
+        files = [line[len("+++ b/"):] for line in text.splitlines() if line.startswith("+++ b/")]
+        assert files and all(not name.startswith("/") and ".." not in name for name in files)

@@ -404,9 +404,9 @@ def test_a_streamed_first_token_is_sent_before_the_next_step_takes_the_cores():
     sent_before_each_decode: list[bool] = []
     decode = backend.decode
 
-    def watched(tokens, positions, seq_ids, outputs):
+    def watched(tokens, positions, seq_ids, outputs, rowwise=False):
         sent_before_each_decode.append(sent.is_set())
-        return decode(tokens, positions, seq_ids, outputs)
+        return decode(tokens, positions, seq_ids, outputs, rowwise)
     backend.decode = watched
     with Engine(backend, first_token_handoff_s=60) as engine:
         handle = engine.submit(GenerationRequest("hello there", SamplingParams(temperature=0, max_tokens=3),

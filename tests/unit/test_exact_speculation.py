@@ -39,20 +39,21 @@ def backend(n_seq_max=1):
     return fake
 
 
-def measured_speculation(fake, source=None, cost=None):
+def measured_speculation(fake, source=None, cost=None, rowwise=False):
     """Speculation as assembly builds it: the exact batch size measured on the engine thread at warm-up."""
     return Speculation(source or PromptLookup(), max_draft=8, cost=cost or FrozenCost(),
-                       measure_exact_rows=lambda: exact_batch_rows(fake, 9))
+                       measure_exact_rows=lambda: exact_batch_rows(fake, 9, rowwise=rowwise))
 
 
-def answers(params, prompts, speculate, measure=True, n_seq_max=1):
+def answers(params, prompts, speculate, measure=True, n_seq_max=1, rowwise=False):
     fake = backend(n_seq_max)
     speculation = None
     if speculate:
-        speculation = measured_speculation(fake) if measure else Speculation(PromptLookup(), max_draft=8,
-                                                                             cost=FrozenCost())
-    with Engine(fake, speculation=speculation).start() as engine:
+        speculation = measured_speculation(fake, rowwise=rowwise) if measure else \
+            Speculation(PromptLookup(), max_draft=8, cost=FrozenCost())
+    with Engine(fake, speculation=speculation, rowwise=rowwise).start() as engine:
         fake.decode_calls.clear()  # the warm-up's and the probe's
+        fake.rowwise_calls.clear()
         handles = engine.submit_together([GenerationRequest(prompt, params) for prompt in prompts])
         results = [handle.result(timeout_s=20) for handle in handles]
     return results, fake
@@ -104,6 +105,47 @@ def test_streams_decoded_together_keep_their_answers_with_drafts_within_the_exac
     assert [r.text for r in fast] == [r.text for r in plain]
     assert sum(r.finish.usage.accepted_draft_tokens for r in fast) > 20
     assert max(generating_rows(fake)) <= EXACT_ROWS
+
+
+def test_row_by_row_every_probed_size_is_exact():
+    fake = backend()
+    assert exact_batch_rows(fake, 9, rowwise=True) == 9
+    assert fake.kv_tokens(0) == []
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_row_by_row_steps_verify_more_drafts_and_leave_the_answer_unchanged(params):
+    plain, _ = answers(params, [COPY_TEXT * 3], speculate=False)
+    fast, fake = answers(params, [COPY_TEXT * 3], speculate=True, rowwise=True)
+    assert fast[0].text == plain[0].text
+    assert max(generating_rows(fake)) > EXACT_ROWS
+    assert fast[0].finish.usage.accepted_draft_tokens > 60
+    generating = [rowwise for call, rowwise in zip(fake.decode_calls, fake.rowwise_calls)
+                  if all(output for *_, output in call)]
+    assert generating[0] is False  # the prompt's last token, decoded alone: a prompt row
+    assert len(generating) > 1 and all(generating[1:])
+
+
+def test_row_by_row_an_answer_is_the_same_alone_or_beside_another():
+    prompts = [COPY_TEXT * 3, "one two three four " * 6]
+    alone = [answers(GREEDY, [prompt], speculate=False)[0][0].text for prompt in prompts]
+    together, fake = answers(GREEDY, prompts, speculate=True, n_seq_max=2, rowwise=True)
+    assert [r.text for r in together] == alone
+    assert max(generating_rows(fake)) > EXACT_ROWS
+
+
+def test_a_step_that_carries_prompt_rows_is_not_computed_row_by_row():
+    _, fake = answers(GREEDY, [COPY_TEXT * 3], speculate=True, rowwise=True)
+    with_prompt = [rowwise for call, rowwise in zip(fake.decode_calls, fake.rowwise_calls)
+                   if not all(output for *_, output in call)]
+    assert with_prompt and not any(with_prompt)
+
+
+def test_a_sampled_answer_alone_is_not_computed_row_by_row(monkeypatch):
+    monkeypatch.setattr(sampling.random, "randrange", lambda *_: 0)
+    _, fake = answers(SamplingParams(temperature=0.9, max_tokens=40, ignore_eos=True), [COPY_TEXT * 3],
+                      speculate=True, rowwise=True)
+    assert fake.rowwise_calls and not any(fake.rowwise_calls)
 
 
 def test_until_the_size_is_measured_a_greedy_answer_drafts_nothing():

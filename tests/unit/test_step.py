@@ -82,6 +82,26 @@ def test_the_chunk_that_ends_a_whole_answers_prompt_has_room_for_drafts_of_its_f
     assert alone.chunks == (PromptChunk(whole, 0, 30, 69),)
 
 
+def test_a_step_of_generating_sequences_beside_a_greedy_one_is_computed_row_by_row():
+    drafting = [object()]
+    greedy = sequence(10, 0, fed=12, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting,
+                      params=SamplingParams(temperature=0))
+    sampled = sequence(10, 1, fed=12, phase=Phase.GENERATING, generated=[5, 6], draftings=drafting,
+                       params=SamplingParams(temperature=0.7))
+    prompt = sequence(30, 2)
+
+    def plan(running, rowwise=True):
+        return plan_step(running, n_batch=128, n_ctx_seq=100, prefill_chunk_tokens=0, drafts_allowed=True,
+                         exact_rows=9, rowwise=rowwise)
+    both = plan([greedy, sampled])
+    assert both.rowwise and both.draft_rows == 7
+    assert both.decodes == (Decode(greedy, 87), Decode(sampled, 87))
+    assert not plan([sampled]).rowwise  # nothing reproducible: the batched kernels
+    assert not plan([greedy, sampled], rowwise=False).rowwise  # the backend cannot, or exactness is off
+    beside_a_prompt = plan([greedy, prompt])  # prompt rows take the batched kernels: no drafts for the greedy one
+    assert not beside_a_prompt.rowwise and beside_a_prompt.decodes == (Decode(greedy, 0),)
+
+
 def test_followers_finished_requests_and_warm_prompts_fed_whole_get_no_rows():
     follower = sequence(20, 0, phase=Phase.FOLLOWING)
     finished = sequence(20, 1, phase=Phase.FINISHED)
