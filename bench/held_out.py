@@ -12,7 +12,8 @@ function, rewrite a function with type hints (an answer that mostly copies its i
 fields under a JSON schema. The exact-answer cache is off, so every request decodes.
 
 Five servers from the same pinned build, model and threads, one request at a time in rotating order:
-Reame with speculation off (`REAME_SPECULATIVE_ENABLED=0`), Reame as it comes (speculation on and exact,
+Reame with speculation off (`REAME_SPECULATIVE_ENABLED=0`, its other settings as they come: exact, so its
+greedy generating steps are computed row by row as the next one's are), Reame as it comes (speculation on and exact,
 its Palimpsest archive in a fresh directory), Reame with `speculative.exact = false` (drafts verified at
 any batch size), llama-server as it comes (no speculation) and llama-server `--spec-type ngram-simple`
 (sent the rewrites only). Each Reame has a prefix cache of its own, so no server restores another's
@@ -53,7 +54,8 @@ TICKET_SCHEMA = {"type": "object", "properties": {
     "team": {"type": "string"}, "summary": {"type": "string"}},
     "required": ["category", "priority", "team", "summary"]}
 SERVERS: dict[str, dict[str, str] | list[str]] = {
-    "reame, speculation off": {"REAME_SPECULATIVE_ENABLED": "0", "REAME_CACHE_DIR": "{archive}/kv-off"},
+    "reame, speculation off": {"REAME_SPECULATIVE_ENABLED": "0", "REAME_SPECULATIVE_EXACT": "1",
+                               "REAME_CACHE_DIR": "{archive}/kv-off"},
     "reame": {"REAME_SPECULATIVE_EXACT": "1", "REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}/exact",
               "REAME_CACHE_DIR": "{archive}/kv-exact"},
     "reame, exact off": {"REAME_SPECULATIVE_EXACT": "0", "REAME_SPECULATIVE_PALIMPSEST_DIR": "{archive}/inexact",

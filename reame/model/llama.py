@@ -114,6 +114,14 @@ class LlamaBackend(LoadedModel):
         api.llama_attach_threadpool(self._ctx, pool, pool)
         return pool
 
+    def _rowwise_kernels(self, on: bool) -> None:
+        """ggml's reference kernels on or off for the graphs this (the decoding) thread computes next: Reame's
+        patch to the pinned ggml (third_party/patches), read where a graph is planned, so decode by decode. A
+        thread's flag, not a context's: a draft model and the embedding context decode on the same thread."""
+        if on != getattr(_decoding_thread, "rowwise", False) and self._set_rowwise is not None:
+            self._set_rowwise(on)
+            _decoding_thread.rowwise = on
+
     def _cpu_function(self, name: bytes, prototype: Any) -> Any:
         """A function of ggml's CPU backend (ggml-cpu.h) by name, reached through its registry because the
         backend may be a run-time-loaded variant library; None where the library has none."""
@@ -147,12 +155,7 @@ class LlamaBackend(LoadedModel):
         n = len(tokens)
         if n == 0 or n > self.n_batch:
             raise ModelError(f"a batch must hold 1..{self.n_batch} tokens, got {n}")
-        if rowwise != getattr(_decoding_thread, "rowwise", False) and self._set_rowwise is not None:
-            # ggml's reference kernels for the graphs this (the decoding) thread computes: Reame's patch to
-            # the pinned ggml (third_party/patches), read where the graph is planned, so decode by decode.
-            # A thread's flag, not a context's: a draft model decodes on its target's thread.
-            self._set_rowwise(rowwise)
-            _decoding_thread.rowwise = rowwise
+        self._rowwise_kernels(rowwise)
         batch = self._batch
         assert batch is not None, "allocated with the context"
         token_array, pos_array, seq_array, logit_array = batch.token, batch.pos, batch.seq_id, batch.logits
@@ -299,6 +302,7 @@ class LlamaBackend(LoadedModel):
         return EMBEDDING_SEQUENCES
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        self._rowwise_kernels(False)  # an embedding is the same whatever step came before it
         if self._embedder is None:
             self._embedder = EmbeddingContext(self._api, self._model, self.n_threads, self.settings.embedding_ctx,
                                                EMBEDDING_POOLING[self.embedding_pooling], self._threadpool)

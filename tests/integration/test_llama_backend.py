@@ -286,3 +286,28 @@ def test_a_chat_during_a_batch_lines_long_prompt_interrupts_it_and_both_answer_a
         assert chat.result(120).text == alone_chat
         assert batch_line.result(120).text == alone_line
         assert engine.status.kv.decodes_interrupted >= 1
+
+
+def test_a_row_by_row_decode_leaves_the_next_embedding_and_plain_decode_as_they_were(backend):
+    """Backend.decode's `rowwise` sets a flag of the decoding thread (Reame's patch to ggml): the embedding
+    context and a plain decode on the same thread afterwards must compute as they do without it. Both are
+    past the sizes where the kernels differ (a 64-row batch, a lone row after 256 cells)."""
+    text = backend.tokenize("The cat sat on the mat and looked at the garden for a long while. " * 8)
+    before = backend.embed([text])[0]
+    prompt = backend.tokenize("Once upon a time there was a lighthouse keeper who kept a log. " * 24)
+    n = len(prompt)
+    assert n > 260 and len(text) > 64
+
+    def last_row_logits(rowwise_before):
+        backend.seq_rm(0)
+        backend.decode(prompt[:-1], list(range(n - 1)), [0] * (n - 1), [False] * (n - 1))
+        if rowwise_before:  # a row-by-row step of 4 rows, undone
+            backend.decode(prompt[-4:], list(range(n - 1, n + 3)), [0] * 4, [True] * 4, rowwise=True)
+            backend.seq_rm(0, n - 1, -1)
+        backend.decode(prompt[-1:], [n - 1], [0], [True])
+        return backend.logits(0)
+    plain = last_row_logits(False)
+    assert last_row_logits(True) == plain
+    backend.decode(prompt[-4:], list(range(n, n + 4)), [0] * 4, [True] * 4, rowwise=True)  # the flag left on
+    assert backend.embed([text])[0] == before
+    backend.seq_rm(0)
