@@ -196,8 +196,9 @@ KEYS: tuple[Key, ...] = (
         "the draft model stops at a token it gives less than this probability", minimum=0, maximum=1),
     Key("speculative.max_draft_tokens", "int", 16, "most tokens drafted per step", minimum=1),
     Key("speculative.exact", "bool", True,
-        "a greedy or seeded answer is byte-identical with speculation on or off: its drafts are verified only "
-        "in batches this machine computes exactly as one row (measured once); false = drafts at any size"),
+        "a greedy or seeded answer is byte-identical with speculation on or off: the steps beside it compute "
+        "each row as a step of one row does, and its drafts are verified only in batches measured exact (once); "
+        "false = ggml's batched kernels everywhere and drafts at any size"),
     Key("speculative.lookup_max_ngram", "int", 3, "longest n-gram prompt lookup matches", minimum=1),
     Key("speculative.lookup_min_ngram", "int", 2, "shortest n-gram prompt lookup matches", minimum=1),
     Key("generation.max_tokens", "int", 512, "default most tokens to generate", minimum=1),
