@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -136,6 +137,9 @@ def started(command: str, place, pattern: str) -> tuple[subprocess.Popen, int]:
     for line in process.stderr:
         found = re.search(pattern, line)
         if found:
+            # The rest of its log is read too: a server that logs each request (the health polls while its
+            # model loads) would otherwise fill the pipe and block on its next line.
+            threading.Thread(target=process.stderr.read, daemon=True).start()
             return process, int(found.group(1))
     raise AssertionError(f"{command} never said where it listens (exit {process.wait()})")
 
