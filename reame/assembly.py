@@ -50,7 +50,7 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
         speculation = new_speculation(backend, settings, serving) if speculate else None
         return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint(), serving),
                       speculation=speculation, owns_backend=frees_backend, warm_up=warm_up,
-                      rowwise=settings.speculative.exact and backend.supports_rowwise, **limits)
+                      rowwise=settings.speculative.exact, **limits)
     except BaseException:
         backend.close()
         raise

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.live_server import free_port
+from tests.live_server import free_port, live_server
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +137,7 @@ def started(command: str, place, pattern: str) -> tuple[subprocess.Popen, int]:
     for line in process.stderr:
         found = re.search(pattern, line)
         if found:
-            # The rest of its log is read too: a server that logs each request (the health polls while its
-            # model loads) would otherwise fill the pipe and block on its next line.
+            # The rest of its log is read too, or a full pipe blocks the daemon's next log line (as live_server).
             threading.Thread(target=process.stderr.read, daemon=True).start()
             return process, int(found.group(1))
     raise AssertionError(f"{command} never said where it listens (exit {process.wait()})")
@@ -150,20 +149,20 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def run_web(command, place):
-    place[1]["REAME_SERVER_PORT"] = "0"  # 8080 may be taken here; the command is otherwise as written
-    process, port = started(as_run_here(command), place, r"on http://127\.0\.0\.1:(\d+)")
-    try:
+    """The server as the docs start it, through the tests' one way of running a server (tests/live_server.py:
+    its log read all along, /health awaited, a graceful stop that exits 0)."""
+    directory, env = place
+    env["REAME_SERVER_PORT"] = "0"  # 8080 may be taken here; the command is otherwise as written
+    with live_server(["bash", "-c", "exec " + as_run_here(command)], cwd=directory, env=env) as server:
         def healthy() -> bool:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                with urllib.request.urlopen(f"{server.base}/health", timeout=5) as response:
                     return response.status == 200
             except OSError:
                 return False
         wait_until(healthy, timeout_s=300)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
+        with urllib.request.urlopen(f"{server.base}/", timeout=10) as response:
             assert b"<html" in response.read().lower()
-    finally:
-        stop(process)
 
 
 def run_arca_default(command, place):
