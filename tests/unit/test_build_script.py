@@ -316,3 +316,15 @@ def test_the_projects_patches_are_well_formed_diffs():
         text = patch.read_text()
         files = [line[len("+++ b/"):] for line in text.splitlines() if line.startswith("+++ b/")]
         assert files and all(not name.startswith("/") and ".." not in name for name in files)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("--- a/../outside.c\n+++ b/../outside.c\n@@ -1 +1 @@\n-a\n+b\n", "outside the source tree"),
+    ("--- a/two.h\n+++ b/two.h\n@@ -1,3 +1,3 @@\n-old\n+new\n", "a hunk ends early"),
+    ("--- a/two.h\nno plus line\n", "expected '--- a/FILE' and '\\+\\+\\+ b/FILE'"),
+])
+def test_a_malformed_or_escaping_patch_stops_the_build(tmp_path, text, message):
+    (tmp_path / "two.h").write_text("old\n")
+    with pytest.raises(build_zipapp.BuildError, match=message):
+        build_zipapp.apply_patch(text, tmp_path, "0002-bad.patch")
+    assert (tmp_path / "two.h").read_text() == "old\n"
