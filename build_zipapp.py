@@ -492,13 +492,14 @@ def run_with_progress(command: list[str], log_path: Path, what: str, progress: P
 
 
 def is_built(target_dir: Path, portable: bool, tools: bool = False) -> bool:
-    """A finished build in the cache, made by this BUILD_RECIPE; a portable one must also carry its OpenMP
-    runtime (older ones did not), a tools one every tool of BENCH_TOOLS (the list grew since older ones were made)."""
+    """A finished build in the cache, made by this BUILD_RECIPE from this source_pin() (the sdist and today's
+    patches: a changed patch rebuilds); a portable one must also carry its OpenMP runtime (older ones did not),
+    a tools one every tool of BENCH_TOOLS (the list grew since older ones were made)."""
     try:
         manifest = json.loads((target_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("recipe") != BUILD_RECIPE:
+    if manifest.get("recipe") != BUILD_RECIPE or manifest.get("source") != source_pin():
         return False
     if tools and not all((target_dir / "bin" / tool).is_file() for tool in BENCH_TOOLS):
         return False
@@ -601,7 +602,7 @@ def install_build(cmake_dir: Path, target_dir: Path, tools: bool, portable: bool
         for library in cmake_dir.rglob("lib*.so*"):
             shutil.copy2(library, bin_out / library.name)
     manifest = {"llama_commit": LLAMA_COMMIT, "sdist_sha256": SDIST_SHA256, "recipe": BUILD_RECIPE,
-                "portable": portable, "libraries": libraries,
+                "source": source_pin(), "portable": portable, "libraries": libraries,
                 "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if target_dir.exists():

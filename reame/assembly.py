@@ -21,7 +21,7 @@ from reame.model.fingerprint import remembered
 from reame.model.llama import LlamaBackend
 from reame.model_choice import progress_stream, resolve_model
 from reame.errors import ReameError
-from reame.native import NativeLibraries, cpu_identity
+from reame.native import cpu_identity
 from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
@@ -103,7 +103,7 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
     cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
     rowwise = backend.supports_rowwise
     fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
-                     settings.flash_attn, _build_name(libraries), cpu, *(["rowwise"] if rowwise else [])))
+                     settings.flash_attn, "" if libraries is None else libraries.build_name, cpu, *(["rowwise"] if rowwise else [])))
 
     def parse(text: str) -> int:
         rows = int(text)
@@ -113,11 +113,6 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
 
     return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit, rowwise=rowwise)),
                               parse)
-
-
-def _build_name(libraries: NativeLibraries | None) -> str:
-    """Which llama.cpp build is loaded: its directory (a build key, or a .pyz's hash and machine)."""
-    return "" if libraries is None else f"{libraries.lib_dir.parent.name}/{libraries.lib_dir.name}"
 
 
 def digest_bytes(text: str) -> bytes:

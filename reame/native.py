@@ -74,6 +74,18 @@ class NativeLibraries:
         """CPU backend libraries of a portable build (one per instruction-set level), if any."""
         return sorted(self.lib_dir.glob("libggml-cpu-*.so"))
 
+    @property
+    def build_name(self) -> str:
+        """Which build this is, for facts measured on it: its directory (a build key, or a .pyz's hash and
+        machine) and, for a build in the cache, when it was made: a rebuild (other patches, another compiler)
+        keeps its key but may compute differently."""
+        name = f"{self.lib_dir.parent.name}/{self.lib_dir.name}"
+        try:
+            built_at = json.loads((self.lib_dir.parent / "manifest.json").read_text()).get("built_at")
+        except (OSError, ValueError, AttributeError):
+            return name
+        return f"{name} built {built_at}" if isinstance(built_at, str) else name
+
     def path_of(self, stem: str) -> Path | None:
         for suffix in (".so", ".dylib"):
             candidate = self.lib_dir / f"lib{stem}{suffix}"

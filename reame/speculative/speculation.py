@@ -88,8 +88,9 @@ class Speculation:
         self._measure_exact_rows = measure_exact_rows
         self.exact_rows: int | None = 1 if measure_exact_rows is not None else None
         self.cost = cost if cost is not None else CostModel()
-        # Steps whose rows are each computed as a one-row step does (plan_step's `rowwise`) cost more per
-        # row than the tiled kernels' steps of the same size: their own curve (a given `cost` is both).
+        # Steps whose rows are each computed as a one-row step does (plan_step's `rowwise`) may cost more
+        # than the tiled kernels' steps of the same size (the one-row kernel, for weights without a tiled
+        # kernel in its order): their own curve (a given `cost` is both).
         self.rowwise_cost = CostModel() if cost is None else cost
         self.stats = SpeculationStats(max_draft)
         self._records = {source.name: _SourceRecord() for source in sources}

@@ -1,5 +1,6 @@
 """build_zipapp.py fails with one clear line: bad checksum, missing tools, no pip, no network."""
 
+import json
 import os
 import re
 import subprocess
@@ -65,11 +66,24 @@ def test_no_x86_build_carries_amx_kernels():
                                                                              arch="x86_64"))
 
 
+def cached_manifest(libraries: dict | None = None, **fields) -> str:
+    """A cache manifest as this build_zipapp.py writes it (recipe and source as today's)."""
+    return json.dumps({"recipe": build_zipapp.BUILD_RECIPE, "source": build_zipapp.source_pin(),
+                       "libraries": libraries or {}, **fields})
+
+
 def test_a_build_made_by_an_earlier_recipe_is_built_again(tmp_path):
     (tmp_path / "manifest.json").write_text('{"libraries": {}}')
     assert not build_zipapp.is_built(tmp_path, portable=False)
-    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{}}}}')
+    (tmp_path / "manifest.json").write_text(cached_manifest(recipe=build_zipapp.BUILD_RECIPE - 1))
+    assert not build_zipapp.is_built(tmp_path, portable=False)
+    (tmp_path / "manifest.json").write_text(cached_manifest())
     assert build_zipapp.is_built(tmp_path, portable=False)
+
+
+def test_a_build_made_with_other_patches_is_built_again(tmp_path):
+    (tmp_path / "manifest.json").write_text(cached_manifest(source=f"{build_zipapp.SDIST_SHA256} patches 0"))
+    assert not build_zipapp.is_built(tmp_path, portable=False)
 
 
 def test_a_failed_download_is_one_line(tmp_path, monkeypatch):
@@ -141,7 +155,7 @@ def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch)
     here = build_zipapp.machine()
     manifest = build_zipapp.build_dir(True, arch=here) / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{"runtime": ["libgomp.so.1"]}}}}')
+    manifest.write_text(cached_manifest({"runtime": ["libgomp.so.1"]}))
     monkeypatch.setattr(build_zipapp.Wheel, "cached", lambda wheel: tmp_path)
     asked = []
     monkeypatch.setattr(build_zipapp, "preflight", lambda compiling, downloads: asked.append((compiling, downloads)))
@@ -152,14 +166,13 @@ def test_preflight_asks_nothing_when_everything_is_cached(tmp_path, monkeypatch)
 
 
 def test_a_portable_build_cached_without_its_openmp_runtime_is_built_again(tmp_path):
-    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, '
-                                            '"libraries": {"cpu_variants": ["libggml-cpu-x64.so"]}}')
+    (tmp_path / "manifest.json").write_text(cached_manifest({"cpu_variants": ["libggml-cpu-x64.so"]}))
     assert not build_zipapp.is_built(tmp_path, portable=True)
     assert build_zipapp.is_built(tmp_path, portable=False)
 
 
 def test_a_tools_build_cached_without_one_of_the_tools_is_built_again(tmp_path):
-    (tmp_path / "manifest.json").write_text(f'{{"recipe": {build_zipapp.BUILD_RECIPE}, "libraries": {{}}}}')
+    (tmp_path / "manifest.json").write_text(cached_manifest())
     (tmp_path / "bin").mkdir()
     for tool in build_zipapp.BENCH_TOOLS[:-1]:
         (tmp_path / "bin" / tool).write_text("")

@@ -77,3 +77,18 @@ def test_a_library_without_an_optional_symbol_loads_and_only_that_feature_fails(
     monkeypatch.setattr(Library, "__getattr__", lambda self, name: (_ for _ in ()).throw(AttributeError(name)))
     with pytest.raises(ModelError, match="lacks llama_model_default_params: it is not the pinned build"):
         api.load()
+
+
+def test_a_rebuilt_library_is_another_build_for_the_facts_measured_on_it(tmp_path):
+    """The exactness probe's remembered answer is keyed by build_name: a rebuild in the same cache directory
+    (other patches) must not inherit it; a directory without a manifest (a .pyz's extraction) is its name."""
+    lib_dir = tmp_path / "0c1e57098-linux-x86_64-native" / "lib"
+    lib_dir.mkdir(parents=True)
+    libraries = native.NativeLibraries(lib_dir, None)
+    assert libraries.build_name == "0c1e57098-linux-x86_64-native/lib"
+    (lib_dir.parent / "manifest.json").write_text('{"built_at": "2026-12-06T02:44:01Z"}')
+    first = libraries.build_name
+    (lib_dir.parent / "manifest.json").write_text('{"built_at": "2026-12-06T06:09:01Z"}')
+    assert first != libraries.build_name and first.startswith("0c1e57098-linux-x86_64-native/lib")
+    (lib_dir.parent / "manifest.json").write_text("[1, 2]")
+    assert libraries.build_name == "0c1e57098-linux-x86_64-native/lib"
