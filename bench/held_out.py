@@ -3,6 +3,7 @@
 
     python bench/held_out.py                          # Qwen2.5-Coder-1.5B, 2 threads, 10 texts a kind
     python bench/held_out.py --model smollm2-135m --texts 10
+    python bench/held_out.py --kind "code: rewrite" --kind "prose: summarise"   # some kinds only
 
 The texts are others': passages of the Python Language Reference and functions of the standard library
 as this Python ships them (`pydoc_data.topics`, `inspect.getsource`), and the support tickets of
@@ -80,8 +81,9 @@ def source(dotted: str) -> str:
     return inspect.getsource(getattr(__import__(module, fromlist=[name]), name))
 
 
-def requests(per_kind: int) -> list[tuple[str, dict]]:
-    """(kind, chat request body without max_tokens) for every request of the benchmark."""
+def requests(per_kind: int, only: set[str] | None = None) -> list[tuple[str, dict]]:
+    """(kind, chat request body without max_tokens) for every request of the benchmark (of the kinds in
+    `only`, if given)."""
     tickets = [json.loads(line)["text"] for line in TICKETS.read_text().splitlines() if line.strip()]
     kinds: dict[str, list[dict]] = {
         "prose: summarise": [f"Summarise this passage of a language reference in three sentences:\n\n{passage(t)}"
@@ -96,8 +98,11 @@ def requests(per_kind: int) -> list[tuple[str, dict]]:
     }
     schema = {"type": "json_schema", "json_schema": {"name": "triage", "schema": TICKET_SCHEMA}}
     chosen = []
+    unknown = (only or set()) - kinds.keys()
+    if unknown:
+        raise SystemExit(f"no such kind: {', '.join(sorted(unknown))} (kinds: {', '.join(kinds)})")
     for kind, prompts in kinds.items():
-        for prompt in prompts[:per_kind]:
+        for prompt in prompts[:per_kind] if only is None or kind in only else ():
             body: dict = {"messages": [{"role": "user", "content": prompt}]}
             if kind == "structured":
                 body["response_format"] = schema
@@ -116,9 +121,10 @@ def ratio(numerators: list[float], denominators: list[float]) -> str:
 def main() -> None:
     parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=64, reps=1, tokens_help="most tokens an answer")
     parser.add_argument("--texts", type=int, default=10, help="requests of each kind")
+    parser.add_argument("--kind", action="append", help="only this kind of request (repeatable), e.g. 'code: rewrite'")
     args = parser.parse_args()
     path = str(model_path(args.model))
-    chosen = requests(args.texts)
+    chosen = requests(args.texts, set(args.kind) if args.kind else None)
     first: dict[str, list[Answer | None]] = {name: [None] * len(chosen) for name in SERVERS}
     again: dict[str, list[Answer | None]] = {name: [None] * len(chosen) for name in (*REAMES, LLAMA)}
     started = time.perf_counter()

@@ -102,8 +102,9 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
     settings, libraries = backend.settings, loaded_libraries()
     cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
     rowwise = backend.supports_rowwise
+    build = "" if libraries is None else libraries.build_name
     fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
-                     settings.flash_attn, "" if libraries is None else libraries.build_name, cpu, *(["rowwise"] if rowwise else [])))
+                     settings.flash_attn, build, cpu, *(["rowwise"] if rowwise else [])))
 
     def parse(text: str) -> int:
         rows = int(text)

@@ -29,6 +29,7 @@ def fake_build(portable: bool, tools: bool, arch: str) -> None:
         (directory / "bin" / tool).write_text("")
     libraries = {"runtime": ["libgomp.so.1"]} if portable else {}
     (directory / "manifest.json").write_text(json.dumps({"recipe": build_zipapp.BUILD_RECIPE,
+                                                          "source": build_zipapp.source_pin(),
                                                           "libraries": libraries}))
 
 
