@@ -47,6 +47,10 @@ PROBE_DRAFT = 1
 PROBE_BUDGET = 0.02  # share of the plain steps' time a re-probe may cost
 MIN_GAIN = 1.02  # below this expected speed-up, drafting is not worth its risk
 EXPLORE_MARGIN = 1.15  # an unmeasured size is tried when, at its least possible cost, it would gain this much more
+# ... and when it is at most this multiple of the largest size measured: exploring climbs 2, 4, 8, 16 rows, so a
+# guess at a new source's acceptance is paid for with a short step, not a 16-row one (a fresh server's first
+# rewrite on Qwen2.5-Coder-1.5B lost three 300 ms steps to 15-token drafts of a prior's optimism)
+EXPLORE_REACH = 2
 
 
 class CostModel:
@@ -94,6 +98,11 @@ class CostModel:
     def measured(self, n_tokens: int) -> bool:
         with self._lock:
             return n_tokens in self._seconds
+
+    def largest_measured(self) -> int:
+        """The largest step size with a measured time (0: none yet)."""
+        with self._lock:
+            return max(self._seconds, default=0)
 
     def curve(self, first: int, last: int, optimistic: bool = False) -> list[float] | None:
         """T(n) for n = first..last, measured or estimated (one fit for all: the controller asks every
@@ -185,15 +194,16 @@ class DraftController:
 
     def _explore(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float, batch_yield: float,
                  to_beat: float) -> int:
-        """A draft length whose step size was never measured and that would beat `to_beat` by
-        EXPLORE_MARGIN even at the least such a step can cost; 0 when there is none. Trying it once
-        measures it: without this, sizes past the measured ones are extrapolated from a line through
-        them, and cheaper tiles further on are never found."""
+        """A draft length whose step size was never measured, at most EXPLORE_REACH times the largest
+        measured one, and that would beat `to_beat` by EXPLORE_MARGIN even at the least such a step can
+        cost; 0 when there is none. Trying it once measures it: without this, sizes past the measured
+        ones are extrapolated from a line through them, and cheaper tiles further on are never found."""
         times = cost.curve(batch_tokens, batch_tokens + self.max_draft, optimistic=True)
         if times is None:
             return 0
+        reach = cost.largest_measured() * EXPLORE_REACH
         acceptance, best_k, best_gain = self.acceptance, 0, to_beat * EXPLORE_MARGIN
-        for k in range(1, self.max_draft + 1):
+        for k in range(1, min(self.max_draft, reach - batch_tokens) + 1):
             if cost.measured(batch_tokens + k):
                 continue
             step_yield = batch_yield - 1 + expected_tokens(acceptance, k)

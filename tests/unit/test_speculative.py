@@ -414,12 +414,26 @@ def test_a_size_measured_too_slow_once_is_forgotten_and_tried_again():
 
 def test_an_unmeasured_longer_draft_is_tried_once_when_even_its_least_cost_would_pay_much_more():
     cost = CostModel()
-    for n in range(1, 8):
-        measured(cost, n, 0.1 * n)  # up to 7 tokens, every token costs a whole step: no draft pays
+    for n in range(1, 9):
+        measured(cost, n, 0.1 * n)  # up to 8 tokens, every token costs a whole step: no draft pays
     controller = DraftController(max_draft=16, prior=0.95, probes=False)
     k = controller.draft_length(cost, 1)
-    assert k == 16, "17 tokens could cost as little as 7: worth one try"
-    measured(cost, 17, 0.6)  # it did not: 17 tokens for six one-token steps
-    assert controller.draft_length(cost, 1) == 16, "measured, it pays: kept"
+    assert k == 15, "16 tokens could cost as little as 8: worth one try (no further than twice 8 yet)"
+    measured(cost, 16, 0.5)  # it did not: 16 tokens for five one-token steps
+    assert controller.draft_length(cost, 1) == 15, "measured, it pays: kept"
     poor = DraftController(max_draft=16, prior=0.1, probes=False)
     assert poor.draft_length(cost, 1) == 0, "drafts that fail are not tried at any length"
+
+
+def test_exploring_climbs_from_short_steps_so_a_wrong_prior_costs_a_short_step():
+    """A fresh server knows only one-row steps: a 0.6 prior would gain 2.5x at a 16-row step's least cost,
+    but the first try is a 2-row step, and once drafts fail nothing longer is explored."""
+    cost = CostModel()
+    measured(cost, 1, 0.065)
+    controller = DraftController(max_draft=16, prior=0.6, probes=False)
+    assert controller.draft_length(cost, 1) == 1
+    measured(cost, 2, 0.1)
+    controller.verified(1, 0)
+    controller.verified(1, 0)
+    assert controller.draft_length(cost, 1) == 0
+    assert DraftController(max_draft=16, prior=0.95, probes=False).draft_length(cost, 1) == 3, "twice 2 rows"
