@@ -10,12 +10,6 @@ PROMPT = " ".join(f"Line {n}: the quick brown fox jumps over the lazy dog." for 
 NEXT = " And then the fox rests in the shade of an old oak tree."
 
 
-def prefill(backend: Backend, tokens: list[int]) -> None:
-    for start in range(0, len(tokens), 256):
-        chunk = tokens[start:start + 256]
-        backend.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk), [False] * len(chunk))
-
-
 def one_row_steps(backend: Backend, tokens: list[int], start: int, rowwise: bool) -> list[list[float]]:
     """The logits of `tokens` decoded one step each from `start` on, then cut again."""
     logits = []
@@ -29,7 +23,7 @@ def one_row_steps(backend: Backend, tokens: list[int], start: int, rowwise: bool
 def test_a_row_computed_row_by_row_past_256_cells_is_ggmls_own_one_row_step(backend):
     prompt, following = backend.tokenize(PROMPT), backend.tokenize(NEXT, add_special=False)[:6]
     assert len(prompt) > 300
-    prefill(backend, prompt)
+    backend.decode(prompt, list(range(len(prompt))), [0] * len(prompt), [False] * len(prompt))
     stock = one_row_steps(backend, following, len(prompt), rowwise=False)
     assert one_row_steps(backend, following, len(prompt), rowwise=True) == stock
     n = len(following)
