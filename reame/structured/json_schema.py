@@ -136,7 +136,8 @@ class _Converter:
             names = [self.convert(dict(schema, type=one), where, f"{hint}-{one}") for one in kind]
             return self.add(hint, " | ".join(names))
         if kind is None:
-            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+            kind = "object" if "properties" in schema else \
+                "array" if "items" in schema or "prefixItems" in schema else None
         handler = TYPES.get(kind) if isinstance(kind, str) else None
         if kind is None:
             return self.primitive("value")
@@ -209,17 +210,33 @@ class _Converter:
         return self.add(f"{hint}-key", f'"\\"" {node("")}')
 
     def array(self, schema: dict, where: str, hint: str) -> str:
-        if "prefixItems" in schema:
-            raise self.fail(where, "'prefixItems' is not supported")
-        item = self.convert(schema.get("items", True), f"{where}.items", f"{hint}-item")
         low, high = _bounds(schema, "minItems", "maxItems", where, self)
         self.primitive("ws")
+        if "prefixItems" in schema or isinstance(schema.get("items"), list):
+            return self.tuple(schema, low, high, where, hint)
+        item = self.convert(schema.get("items", True), f"{where}.items", f"{hint}-item")
         if high == 0:
             return self.add(hint, '"[" ws "]"')
         more = f'( "," ws {item} ws )' + (f"{{{max(low - 1, 0)},{high - 1}}}" if high is not None
                                       else f"{{{max(low - 1, 0)},}}")
         body = f"{item} ws {more}"
         return self.add(hint, f'"[" ws {body} "]"' if low > 0 else f'"[" ws ( {body} )? "]"')
+
+    def tuple(self, schema: dict, low: int, high: int | None, where: str, hint: str) -> str:
+        """A tuple (`prefixItems`, or `items` as a list in drafts before 2020-12) as exactly its items, as
+        llama.cpp's converter writes it: every schema draft accepts such an array (items past the tuple are
+        allowed, never required), so the answer validates whatever `items` or `additionalItems` say."""
+        key = "prefixItems" if "prefixItems" in schema else "items"
+        items = schema[key]
+        if not isinstance(items, list) or not items:
+            raise self.fail(where, f"'{key}' must be a non-empty array of schemas")
+        if not low <= len(items) <= (len(items) if high is None else high):
+            raise self.fail(where, f"a tuple of {len(items)} items is outside 'minItems'..'maxItems'")
+        if key == "prefixItems" and "items" in schema:
+            self.convert(schema["items"], f"{where}.items", f"{hint}-rest")  # checked, never written
+        names = [self.convert(item, f"{where}.{key}[{index}]", f"{hint}-{index}") for index, item in enumerate(items)]
+        body = ' "," ws '.join(f"{name} ws" for name in names)
+        return self.add(hint, f'"[" ws {body} "]"')
 
     def string(self, schema: dict, where: str, hint: str) -> str:
         low, high = _bounds(schema, "minLength", "maxLength", where, self)
@@ -255,9 +272,9 @@ class _Converter:
 TYPES = {"object": _Converter.object, "array": _Converter.array, "string": _Converter.string,
          "number": _Converter.number, "integer": _Converter.integer, "boolean": _Converter.boolean,
          "null": _Converter.null}
-KNOWN = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-         "maxLength", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "const",
-         "anyOf", "oneOf", "$ref", "$defs", "definitions"}
+KNOWN = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+         "minLength", "maxLength", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum",
+         "const", "anyOf", "oneOf", "$ref", "$defs", "definitions"}
 
 
 def _bounds(schema: dict, low_key: str, high_key: str, where: str, converter: _Converter) -> tuple[int, int | None]:

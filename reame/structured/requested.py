@@ -58,7 +58,11 @@ def response_format_grammar(value: Any) -> str | None:
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
-        return JSON_OBJECT_GBNF
+        # llama-server's extension: a `schema` beside json_object holds the answer to it; none (or {}), any object.
+        schema = value.get("schema")
+        if schema is None or schema == {}:
+            return JSON_OBJECT_GBNF
+        return checked(schema_to_gbnf(schema, param="response_format.schema"))
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise RequestError("'response_format.json_schema' must be an object with a 'schema'",

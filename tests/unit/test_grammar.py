@@ -87,6 +87,10 @@ SCHEMA_CASES = [
                          "required": ["next"]}}, "$ref": "#/$defs/node"},
      ['{"next": null}', '{"next": {"next": {"next": null}}}'], ['{"next": {}}']),
     (True, ['{"x": [1, 2.5, "s", true, null]}', "3"], ["{", "tru"]),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "items": [{"type": "integer"}]},  # a tuple, as drafts 4-7
+     ["[3]", "[ -3000 ]"], ["[]", "[1, 2]", '["a"]', "{}"]),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "boolean"}], "items": {"type": "null"}},
+     ['["a", true]', '[\n  "a",\n  false\n]'], ['["a"]', '["a", true, null]', '[true, "a"]']),
 ]
 
 
@@ -130,6 +134,10 @@ def test_an_open_integer_bound_stops_at_sixteen_digits_as_unbounded_integers_do(
     ({"type": "array", "minItems": 3, "maxItems": 1}, "'maxItems' is below 'minItems'"),
     ({"type": "date"}, "type 'date' is not a JSON type"),
     ({"enum": []}, "'enum' must be a non-empty array"),
+    ({"prefixItems": {"type": "string"}}, "'prefixItems' must be a non-empty array of schemas"),
+    ({"type": "array", "items": []}, "'items' must be a non-empty array of schemas"),
+    ({"type": "array", "prefixItems": [{}], "minItems": 2}, "a tuple of 1 items is outside 'minItems'..'maxItems'"),
+    ({"prefixItems": [{}], "items": {"pattern": "x"}}, "'pattern' is not supported at $.items"),
     ([1], "a JSON schema must be an object"),
 ])
 def test_an_unsupported_schema_part_is_named(schema, message):
@@ -215,6 +223,23 @@ def test_response_format_json_schema_through_the_api_always_validates(structured
             text, finish = answer["choices"][0]["message"]["content"], answer["choices"][0]["finish_reason"]
         assert finish == "stop"
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_schema_beside_json_object_holds_the_answer_to_it_as_llama_server_does(structured_server):
+    request = {"messages": [{"role": "user", "content": "A number?"}], "max_tokens": 40, "temperature": 1.2}
+    digits = {"type": "json_object", "schema": {"items": [{"type": "integer", "minimum": 0, "maximum": 9}]}}
+    for seed in range(3):
+        answer = structured_server.json("POST", "/v1/chat/completions", dict(request, seed=seed,
+                                                                             response_format=digits))[1]
+        value = json.loads(answer["choices"][0]["message"]["content"])
+        assert isinstance(value, list) and len(value) == 1 and 0 <= value[0] <= 9
+    answer = structured_server.json("POST", "/v1/chat/completions", dict(
+        request, seed=5, max_tokens=300, response_format={"type": "json_object", "schema": {}}))[1]
+    assert isinstance(json.loads(answer["choices"][0]["message"]["content"]), dict)
+    status, error = structured_server.json("POST", "/v1/chat/completions", dict(
+        request, response_format={"type": "json_object", "schema": {"type": "hiccup"}}))
+    assert status == 400 and error["error"]["param"] == "response_format.schema"
+    assert "type 'hiccup' is not a JSON type" in error["error"]["message"]
 
 
 def test_json_object_and_a_grammar_on_completions(structured_server):
