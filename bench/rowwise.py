@@ -3,6 +3,7 @@
 
     python bench/rowwise.py                          # Qwen2.5-Coder-1.5B, 2 threads, 700 cells in the KV
     python bench/rowwise.py --model smollm2-135m --depth 300 --reps 9
+    python bench/rowwise.py --rows 1 8 16 32 48      # other step sizes
 
 Under `speculative.exact` (the default) a step of generating sequences beside a greedy or seeded one is
 computed row by row (Backend.decode's `rowwise`, Reame's patch to the pinned ggml): each row exactly as a
@@ -60,30 +61,32 @@ def break_even_acceptance(rows: int, step: float, one_row: float) -> str:
 def main() -> None:
     parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=0, reps=7, reps_help="rounds (both ways each)")
     parser.add_argument("--depth", type=int, default=700, help="KV cells held before each step")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="the step sizes to measure")
     args = parser.parse_args()
+    sizes = sorted(set(args.rows) | {1})  # the one-row step is what every ratio is against
     path = str(model_path(args.model))
     with LlamaBackend(ModelSettings(path, n_ctx=args.depth + 512, n_threads=args.threads)) as backend:
         if not backend.supports_rowwise:
             raise SystemExit("this llama.cpp build has no row-by-row switch (rebuild: python build_zipapp.py --lib)")
         text = backend.tokenize(REPEATED * 40, add_special=False, parse_special=False)
-        history, tokens = text[:args.depth], text[args.depth:args.depth + max(ROWS)]
+        history, tokens = text[:args.depth], text[args.depth:args.depth + max(sizes)]
         for start in range(0, args.depth, backend.n_batch):
             chunk = history[start:start + backend.n_batch]
             backend.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
                            [False] * len(chunk))
         seconds: dict[tuple[int, bool], list[float]] = {}
-        for rows in ROWS:  # each shape's graph is built once, uncounted
+        for rows in sizes:  # each shape's graph is built once, uncounted
             for rowwise in (False, True):
                 step_seconds(backend, tokens[:rows], args.depth, rowwise)
         for round_ in range(args.reps):
-            for rows in ROWS:
+            for rows in sizes:
                 order = (False, True) if round_ % 2 == 0 else (True, False)
                 for rowwise in order:
                     seconds.setdefault((rows, rowwise), []).append(
                         step_seconds(backend, tokens[:rows], args.depth, rowwise))
     median = {key: statistics.median(values) for key, values in seconds.items()}
     table = []
-    for rows in ROWS:
+    for rows in sizes:
         batched, alone = median[(rows, False)], median[(rows, True)]
         table.append([str(rows), f"{batched * 1000:.1f}", f"{alone * 1000:.1f}", f"{alone / batched:.2f}",
                       break_even_acceptance(rows, batched, median[(1, False)]),

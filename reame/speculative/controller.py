@@ -38,7 +38,6 @@ from dataclasses import dataclass
 COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
-PRIOR_ACCEPTANCE = PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED)
 MODELLED_TOKENS = 64  # steps up to this size feed the cost model
 COST_MEMORY_STEPS = 1000  # a step size not measured for this many steps is estimated again
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
@@ -146,6 +145,26 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+class AcceptanceEstimate:
+    """The acceptance a of the geometric model from verifications, forgetting the older ones by `decay`:
+    its maximum-likelihood estimate, accepted drafts over accepted drafts plus rejections (a verification
+    whose every draft passed rejected none), from a prior worth two verifications."""
+
+    def __init__(self, decay: float, prior: float | None = None) -> None:
+        self.decay = decay
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+        self._accepted = prior * weight if prior is not None else PRIOR_ACCEPTED
+        self._rejected = weight - self._accepted
+
+    @property
+    def value(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self._accepted = self._accepted * self.decay + accepted
+        self._rejected = self._rejected * self.decay + (1 if accepted < drafted else 0)
+
+
 class DraftController:
     """Draft length for one sequence and one source."""
 
@@ -154,14 +173,12 @@ class DraftController:
         while drafting does not pay (a source whose guesses are checked for free needs none)."""
         self.max_draft = max_draft
         self.probes = probes
-        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
-        self._accepted = prior * weight if prior is not None else PRIOR_ACCEPTED
-        self._rejected = weight - self._accepted
+        self._acceptance = AcceptanceEstimate(ACCEPTANCE_DECAY, prior)
         self._plain_steps = 0
 
     @property
     def acceptance(self) -> float:
-        return self._accepted / (self._accepted + self._rejected)
+        return self._acceptance.value
 
     def draft_length(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0,
                      batch_yield: float = 1.0) -> int:
@@ -215,8 +232,7 @@ class DraftController:
     def verified(self, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens accepted the first `accepted` of them (or would have:
         a guess checked against what the model emitted counts the same)."""
-        self._accepted = self._accepted * ACCEPTANCE_DECAY + accepted
-        self._rejected = self._rejected * ACCEPTANCE_DECAY + (1 if accepted < drafted else 0)
+        self._acceptance.verified(drafted, accepted)
         self._plain_steps = 0
 
 

@@ -115,6 +115,8 @@ class DraftModel:
 
 
 class DraftModelDrafter:
+    matched = 0  # not a copying source: one match class (Drafter.matched)
+
     def __init__(self, model: DraftModel, slot: int | None, kv: list[int], prompt: Sequence[int]) -> None:
         self.model = model
         self.slot = slot

@@ -51,6 +51,7 @@ class LookupDrafter:
     def __init__(self, max_ngram: int, min_ngram: int) -> None:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.matched = 0
         self.history: list[int] = []
         # n-gram -> position just after its latest occurrence that ends before the last token
         self._next_after: dict[tuple[int, ...], int] = {}
@@ -86,14 +87,16 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(history)), self.min_ngram - 1, -1):
             start = self._next_after.get(tuple(history[-n:]))
             if start is not None:
+                self.matched = n
                 if n == self.max_ngram:
-                    start = self._furthest_match(start, n)
+                    start, self.matched = self._furthest_match(start, n)
                 return history[start:start + limit]
+        self.matched = 0
         return []
 
-    def _furthest_match(self, start: int, n: int) -> int:
+    def _furthest_match(self, start: int, n: int) -> tuple[int, int]:
         """Among `start` and the earlier occurrences chained to it, the one whose context matches the
-        history's end furthest back (the most recent among equals)."""
+        history's end furthest back (the most recent among equals), and how far (up to MATCH_WINDOW)."""
         history, last = self.history, len(self.history) - 1
         best, best_length = start, -1
         for _ in range(MAX_CANDIDATES):
@@ -106,7 +109,7 @@ class LookupDrafter:
             if length > best_length:
                 best, best_length = start, length
             start = self._earlier.get(start, -1)
-        return best
+        return best, best_length
 
     def close(self) -> None:
         pass

@@ -381,6 +381,7 @@ class PalimpsestDrafter:
         self.context = list(self.prompt)
         self.generated = 0
         self.place: Place | None = None
+        self.matched = 0
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.context.extend(tokens)
@@ -393,6 +394,7 @@ class PalimpsestDrafter:
         is shorter than a long key), the continuation from the sequence's place, once the last token
         emitted was the one the place expected."""
         draft, matched, place = self.source.find(self.context, limit)
+        self.matched = matched
         if self.place is not None and self.place.misses == 0 and matched < LONG:
             followed = self.source.follow(self.place, limit)
             if followed:

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 
 class Drafter(Protocol):
+    # How many tokens of context the last proposal's continuation was found after: a copying source's
+    # guess is as good as that match is long (speculation.py's match classes). 0 for a source that does not
+    # copy, and for a draft model, whose proposal is weighed before it is made.
+    matched: int
+
     def observe(self, tokens: Sequence[int]) -> None:
         """Tokens appended to the sequence, in order."""
 

@@ -103,6 +103,8 @@ class Suggeritore:
 
 
 class SuggeritoreDrafter:
+    matched = 0  # not a copying source: one match class (Drafter.matched)
+
     def __init__(self, source: Suggeritore, text: str, grammar: GrammarState | None) -> None:
         self.source = source
         self.line = text.rsplit("\n", 1)[-1]  # the line being written

@@ -120,10 +120,11 @@ def test_row_by_row_steps_verify_more_drafts_and_leave_the_answer_unchanged(para
     assert fast[0].text == plain[0].text
     assert max(generating_rows(fake)) > EXACT_ROWS
     assert fast[0].finish.usage.accepted_draft_tokens > 60
-    generating = [rowwise for call, rowwise in zip(fake.decode_calls, fake.rowwise_calls)
+    generating = [(len(call), rowwise) for call, rowwise in zip(fake.decode_calls, fake.rowwise_calls)
                   if all(output for *_, output in call)]
-    assert generating[0] is False  # the prompt's last token, decoded alone: a prompt row
-    assert len(generating) > 1 and all(generating[1:])
+    assert generating[0] == (1, False)  # the prompt's last token, decoded alone: a prompt row
+    assert any(rows > 1 for rows, _ in generating) and all(rowwise for rows, rowwise in generating if rows > 1)
+    assert not any(rowwise for rows, rowwise in generating if rows == 1), "one row alone: ggml's own one-row step"
 
 
 def test_row_by_row_an_answer_is_the_same_alone_or_beside_another():
@@ -182,6 +183,7 @@ class AlwaysWrong:
     """A draft source whose guesses the model never takes."""
 
     name = "wrong"
+    matched = 0
 
     def __init__(self, free):
         self.free = free

@@ -9,6 +9,8 @@ from reame.engine import Engine, GenerationRequest, SamplingParams, step
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
 from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expected_tokens
+from reame.speculative.lookup import MATCH_WINDOW
+from reame.speculative.speculation import match_class
 
 COPY_TEXT = "the cat sat on the mat and the dog sat on the log; "
 
@@ -85,6 +87,77 @@ def test_prompt_lookup_copies_the_occurrence_whose_context_matches_furthest_back
     assert lookup.drafter([*first, *second, 7, 9, 1, 2, 3]).propose(2) == [40, 41]  # the older record
     assert lookup.drafter([*first, *second, 7, 8, 1, 2, 3]).propose(2) == [50, 51]
     assert lookup.drafter([*first, *second, 7, 6, 1, 2, 3]).propose(2) == [50, 51]  # equal: the newest
+
+
+def test_prompt_lookup_says_how_long_a_context_its_guess_was_found_after():
+    lookup = PromptLookup(max_ngram=3, min_ngram=2)
+    first, second = [9, 1, 2, 3, 40, 41], [8, 1, 2, 3, 50, 51]
+    drafter = lookup.drafter([*first, *second, 7, 9, 1, 2, 3])
+    assert (drafter.propose(2), drafter.matched) == ([40, 41], 4)  # 9 1 2 3
+    drafter = lookup.drafter([5, 6, 7, 1, 5, 6])
+    assert (drafter.propose(2), drafter.matched) == ([7, 1], 2)  # a bigram only
+    drafter.observe([8])
+    assert (drafter.propose(2), drafter.matched) == ([], 0)
+    copied = list(range(100, 200))
+    drafter = lookup.drafter([*copied, 1, *copied[:80]])
+    assert (drafter.propose(3), drafter.matched) == ([180, 181, 182], MATCH_WINDOW)  # measured up to the window
+
+
+class ClassedGuesses:
+    """A free source whose guesses are right after a long context match and wrong after a short one, as
+    prompt lookup's are where a model copies its input (Drafter.matched alternates by position)."""
+
+    name = "classed"
+    free = True
+
+    def drafter(self, prompt, grammar=None):
+        source = self
+
+        class Drafter:
+            matched = 0
+
+            def __init__(self):
+                self.history = list(prompt)
+
+            def observe(self, tokens):
+                self.history.extend(tokens)
+
+            def propose(self, limit):
+                self.matched = 32 if (len(self.history) // 8) % 2 else 2
+                right = source.truth(self.history)
+                return right[:limit] if self.matched == 32 else [ord("#")] * limit
+
+            def close(self):
+                pass
+        return Drafter()
+
+    def truth(self, history):
+        return [ord("a") + (len(history) + i) % 26 for i in range(16)]
+
+    def warm_up(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def alphabet_rule(history):
+    logits = [-math.inf] * N_VOCAB
+    logits[ord("a") + len(history) % 26] = 0.0
+    return logits
+
+
+def test_guesses_after_a_long_match_learn_their_own_acceptance_and_draft_where_short_ones_do_not():
+    """One acceptance for all a source's guesses would average the two kinds (about half accepted) and draft
+    neither on a machine where a draft costs 0.3 of a step: each match class learns its own."""
+    speculation = Speculation(ClassedGuesses(), max_draft=8, cost=FrozenCost(per_token=0.3))
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    usage = [generate("x" * 20, params, speculation, rule=alphabet_rule)[0].finish.usage for _ in range(2)]
+    assert usage[0].draft_tokens > 100 and usage[0].accepted_draft_tokens > 0.95 * usage[0].draft_tokens
+    assert usage[1].draft_tokens > 100 and usage[1].accepted_draft_tokens == usage[1].draft_tokens, \
+        "the second request starts from what the first taught each class: only long matches are verified"
+    acceptance = [estimate.value for estimate in speculation._records["classed"].by_class]
+    assert acceptance[match_class(32)] > 0.9 and acceptance[match_class(2)] < 0.1
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -190,6 +263,8 @@ class AlwaysDraft:
         token = self.token
 
         class Drafter:
+            matched = 0
+
             def observe(self, tokens):
                 pass
 
