@@ -138,7 +138,7 @@ class Speculation:
         for drafting in draftings:
             if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
                 guess = drafting.drafter.propose(min(self.max_draft, room))
-                match = match_class(drafting.drafter.matched) if guess else 0
+                match = match_class(drafting.drafter.matched)
                 drafts = guess[:drafting.controllers[match].draft_length(cost, batch_tokens, 0.0, batch_yield)] \
                     if guess else []
                 if drafts:

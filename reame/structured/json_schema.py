@@ -230,7 +230,7 @@ class _Converter:
         items = schema[key]
         if not isinstance(items, list) or not items:
             raise self.fail(where, f"'{key}' must be a non-empty array of schemas")
-        if not low <= len(items) <= (len(items) if high is None else high):
+        if len(items) < low or (high is not None and len(items) > high):
             raise self.fail(where, f"a tuple of {len(items)} items is outside 'minItems'..'maxItems'")
         if key == "prefixItems" and "items" in schema:
             self.convert(schema["items"], f"{where}.items", f"{hint}-rest")  # checked, never written

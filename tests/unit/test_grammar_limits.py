@@ -84,6 +84,14 @@ def test_a_schema_nested_too_deep_is_refused_naming_where():
     assert isinstance(error, GrammarError) and "schemas nested more than 64 deep at $.items.items" in str(error)
 
 
+def test_a_tuple_nested_too_deep_is_refused_naming_where():
+    schema: dict = {"type": "string"}
+    for _ in range(600):
+        schema = {"prefixItems": [schema]}
+    error = assert_bounded(lambda: schema_to_gbnf(schema))
+    assert isinstance(error, GrammarError) and "schemas nested more than 64 deep at $.prefixItems[0]" in str(error)
+
+
 def test_an_ambiguous_grammar_is_cut_off_while_its_text_is_read_at_a_bounded_cost():
     state = GrammarState(parse_gbnf(AMBIGUOUS))
 
@@ -175,6 +183,8 @@ SCHEMAS = st.recursive(SCHEMA_LEAVES, lambda inner: st.one_of(
     st.dictionaries(st.text(alphabet="abcd", min_size=1, max_size=4), inner, max_size=5).map(
         lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]}),
     st.lists(inner, min_size=1, max_size=4).map(lambda options: {"anyOf": options}),
+    st.lists(inner, min_size=0, max_size=4).map(lambda items: {"prefixItems": items}),
+    st.lists(inner, min_size=1, max_size=4).map(lambda items: {"type": "array", "items": items, "maxItems": 2}),
 ), max_leaves=25)
 
 
