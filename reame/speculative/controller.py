@@ -145,6 +145,12 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def step_gain(acceptance: float, k: int, base: float, seconds: float, batch_yield: float = 1.0) -> float:
+    """How many times a plain step's tokens per second a step with k drafts makes: the plain step takes
+    `base` seconds and yields `batch_yield` tokens, this one takes `seconds` (drafting included)."""
+    return (batch_yield - 1 + expected_tokens(acceptance, k)) / batch_yield * base / seconds
+
+
 class AcceptanceEstimate:
     """The acceptance a of the geometric model from verifications, forgetting the older ones by `decay`:
     its maximum-likelihood estimate, accepted drafts over accepted drafts plus rejections (a verification
@@ -192,8 +198,7 @@ class DraftController:
         acceptance = self.acceptance
         best_k, best_gain = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            step_yield = batch_yield - 1 + expected_tokens(acceptance, k)
-            gain = step_yield / batch_yield * base / (times[k] + k * seconds_per_draft)
+            gain = step_gain(acceptance, k, base, times[k] + k * seconds_per_draft, batch_yield)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         explored = self._explore(cost, batch_tokens, seconds_per_draft, batch_yield, max(best_gain, MIN_GAIN))
@@ -223,8 +228,7 @@ class DraftController:
         for k in range(1, min(self.max_draft, reach - batch_tokens) + 1):
             if cost.measured(batch_tokens + k):
                 continue
-            step_yield = batch_yield - 1 + expected_tokens(acceptance, k)
-            gain = step_yield / batch_yield * times[0] / (times[k] + k * seconds_per_draft)
+            gain = step_gain(acceptance, k, times[0], times[k] + k * seconds_per_draft, batch_yield)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         return best_k

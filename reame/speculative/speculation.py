@@ -1,13 +1,13 @@
-"""What the engine needs to speculate: draft sources in order of preference, the cost model, counters.
+"""What the engine needs to speculate: draft sources, which draft a step verifies, the cost model, counters.
 
-Each sequence gets one `Drafting` per source (its drafter and controller).
-A step asks the sources in order and takes the first draft offered: free
-sources (prompt lookup) go first, a draft model fills in where they have
+Each sequence gets one `Drafting` per source (its drafter and controllers).
+A step asks every free source (their guesses cost next to nothing) and
+verifies the draft worth most; a draft model fills in where they have
 nothing. What each source achieves (acceptance) and costs (seconds per
 drafted token) is learned across sequences, so a new sequence starts from
 what the source did lately.
 
-A free source's guess that is not worth verifying is kept as a shadow and
+A free source's guess that is not verified (not worth it, or another worth more) is kept as a shadow and
 compared with the tokens the model emits next: how far it would have been
 accepted is exactly what a verification would have found (drafts are checked
 by drawing from the model and comparing), so its acceptance is learned
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reame.speculative.controller import AcceptanceEstimate, CostModel, DraftController, SpeculationStats
+from reame.speculative.controller import AcceptanceEstimate, CostModel, DraftController, SpeculationStats, step_gain
 from reame.speculative.source import Drafter, DraftSource
 
 if TYPE_CHECKING:
@@ -132,29 +132,49 @@ class Speculation:
 
     def propose(self, draftings: Sequence[Drafting], batch_tokens: int, batch_yield: int,
                 room: int, rowwise: bool = False) -> tuple[Drafting | None, list[int]]:
-        """The first draft offered by a source whose controller finds it worth it in a step carrying
-        `batch_tokens` for `batch_yield` sequences (computed row by row: `rowwise`), and that source."""
+        """The draft worth most in a step carrying `batch_tokens` for `batch_yield` sequences (computed row
+        by row: `rowwise`), and its source: the free sources' drafts are weighed against each other (Il
+        Suggeritore's few forced tokens must not displace the Palimpsest's copy of the whole answer that
+        contains them); a costly source is asked only when no free one offers a draft."""
         cost = self.cost_of(rowwise)
+        best: tuple[float, Drafting, list[int], int] | None = None
+        offered: list[tuple[Drafting, list[int], int]] = []
         for drafting in draftings:
-            if drafting.free:  # its guess first: most steps of free text have none, and then no weighing
-                guess = drafting.drafter.propose(min(self.max_draft, room))
-                match = match_class(drafting.drafter.matched)
-                drafts = guess[:drafting.controllers[match].draft_length(cost, batch_tokens, 0.0, batch_yield)] \
-                    if guess else []
-                if drafts:
-                    drafting.shadow, drafting.drafted_class = [], match  # the verification measures this stretch
-                elif guess and not drafting.shadow:
-                    drafting.shadow, drafting.shadow_matched, drafting.shadow_class = guess[:SHADOW_TOKENS], 0, match
-            else:  # weigh first: proposing is the expensive part (and its match unknown until then)
-                record = self._records[drafting.source]
-                drafting.drafted_class = 0
-                k = drafting.controllers[0].draft_length(cost, batch_tokens, record.seconds_per_draft, batch_yield)
-                if not k:
-                    continue
-                started = time.perf_counter()
-                drafts = drafting.drafter.propose(min(k, room))
-                with self._lock:
-                    record.proposed(len(drafts), time.perf_counter() - started)
+            if not drafting.free:
+                continue
+            guess = drafting.drafter.propose(min(self.max_draft, room))
+            if not guess:
+                continue
+            match = match_class(drafting.drafter.matched)
+            controller = drafting.controllers[match]
+            offered.append((drafting, guess, match))
+            k = controller.draft_length(cost, batch_tokens, 0.0, batch_yield)
+            if k:
+                times = cost.curve(batch_tokens, batch_tokens + min(k, len(guess)))
+                assert times is not None  # a draft length was found from them
+                drafts = guess[:k]
+                gain = step_gain(controller.acceptance, len(drafts), times[0], times[-1], batch_yield)
+                if best is None or gain > best[0]:
+                    best = (gain, drafting, drafts, match)
+        for drafting, guess, match in offered:  # a guess not verified is checked against what the model emits
+            if (best is None or drafting is not best[1]) and not drafting.shadow:
+                drafting.shadow, drafting.shadow_matched, drafting.shadow_class = guess[:SHADOW_TOKENS], 0, match
+        if best is not None:
+            _, drafting, drafts, match = best
+            drafting.shadow, drafting.drafted_class = [], match  # the verification measures this stretch
+            return drafting, drafts
+        for drafting in draftings:  # weigh first: proposing is the expensive part (and its match unknown until then)
+            if drafting.free:
+                continue
+            record = self._records[drafting.source]
+            drafting.drafted_class = 0
+            k = drafting.controllers[0].draft_length(cost, batch_tokens, record.seconds_per_draft, batch_yield)
+            if not k:
+                continue
+            started = time.perf_counter()
+            drafts = drafting.drafter.propose(min(k, room))
+            with self._lock:
+                record.proposed(len(drafts), time.perf_counter() - started)
             if drafts:
                 return drafting, drafts
         return None, []

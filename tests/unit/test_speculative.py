@@ -160,6 +160,64 @@ def test_guesses_after_a_long_match_learn_their_own_acceptance_and_draft_where_s
     assert acceptance[match_class(32)] > 0.9 and acceptance[match_class(2)] < 0.1
 
 
+class AlphabetGuesses:
+    """A free source that guesses up to `length` tokens of alphabet_rule's text, right or all wrong: Il
+    Suggeritore's few forced tokens, or the Palimpsest's copy of a whole repeated answer."""
+
+    free = True
+
+    def __init__(self, name, length, matched, right=True):
+        self.name, self.length, self.matched, self.right = name, length, matched, right
+
+    def drafter(self, prompt, grammar=None):
+        source = self
+
+        class Drafter:
+            matched = source.matched
+
+            def __init__(self):
+                self.history = list(prompt)
+
+            def observe(self, tokens):
+                self.history.extend(tokens)
+
+            def propose(self, limit):
+                n = min(limit, source.length)
+                return ClassedGuesses().truth(self.history)[:n] if source.right else [ord("#")] * n
+
+            def close(self):
+                pass
+        return Drafter()
+
+    def warm_up(self):
+        pass
+
+    def close(self):
+        pass
+
+
+LONG_GREEDY = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.mark.parametrize("copy_right", [True, False])
+def test_free_sources_offering_at_once_are_weighed_not_taken_in_order(copy_right):
+    """The first source's two sure tokens do not displace a copy worth eight; a copy that is wrong does not
+    displace them either; the source not taken still learns from its guesses as the text is emitted."""
+    forced = AlphabetGuesses("forced", 2, matched=0)
+    copy = AlphabetGuesses("copy", 16, matched=32, right=copy_right)
+    speculation = Speculation(forced, copy, max_draft=8, cost=FrozenCost(per_token=0.3))
+    plain, _ = generate("x" * 20, LONG_GREEDY, rule=alphabet_rule)
+    fast, _ = generate("x" * 20, LONG_GREEDY, speculation, rule=alphabet_rule)
+    assert fast.tokens == plain.tokens
+    drafted = {name: counts.drafted for name, counts in speculation.stats.snapshot().sources.items()}
+    if copy_right:
+        assert drafted.get("forced", 0) == 0 and drafted["copy"] > 150
+    else:
+        assert drafted["forced"] > 100 and drafted.get("copy", 0) < 10
+    acceptance = speculation.acceptance()
+    assert acceptance["forced"] > 0.9 and (acceptance["copy"] > 0.9) == copy_right
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
 
