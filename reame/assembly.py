@@ -17,7 +17,7 @@ from reame.cache import PrefixCache
 from reame.engine import Engine
 from reame.ctypes_llama._lib import loaded_libraries
 from reame.model.batch_numerics import exact_batch_rows
-from reame.model.fingerprint import remembered
+from reame.model.fingerprint import recall, remember, remembered
 from reame.model.llama import LlamaBackend
 from reame.model_choice import progress_stream, resolve_model
 from reame.errors import ReameError
@@ -26,6 +26,7 @@ from reame.settings import Settings
 from reame.speculative import DraftSource, PromptLookup, Speculation
 from reame.speculative.draft_model import CATCH_UP_TOKENS, DraftModel
 from reame.speculative.palimpsest import Palimpsest, vocabulary_hash
+from reame.speculative.speculation import CostMemory
 from reame.speculative.suggeritore import Suggeritore
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def new_speculation(backend: LlamaBackend, settings: Settings, serving: bool = F
     # probed up to a step with a row for every sequence and one of them drafting all it may
     return Speculation(*sources, max_draft=options.max_draft_tokens,
                        measure_exact_rows=exact_rows_probe(backend, options.max_draft_tokens + backend.n_seq_max)
-                       if options.exact else None)
+                       if options.exact else None, cost_memory=step_cost_memory(backend))
 
 
 def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
@@ -99,12 +100,8 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
     (model/batch_numerics.py), row by row where the backend can (the engine's exact steps are made so):
     once per model content, llama.cpp build, CPU, thread count and KV settings, then remembered, so a
     start costs a file read. Call the result on the engine thread."""
-    settings, libraries = backend.settings, loaded_libraries()
-    cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
-    rowwise = backend.supports_rowwise
-    build = "" if libraries is None else libraries.build_name
-    fact = "|".join(("exact batch rows", str(limit), f"{backend.n_threads} threads", settings.kv_type,
-                     settings.flash_attn, build, cpu, *(["rowwise"] if rowwise else [])))
+    settings, rowwise = backend.settings, backend.supports_rowwise
+    fact = machine_fact(backend, "exact batch rows", str(limit))
 
     def parse(text: str) -> int:
         rows = int(text)
@@ -114,6 +111,24 @@ def exact_rows_probe(backend: LlamaBackend, limit: int) -> Callable[[], int]:
 
     return lambda: remembered(settings.path, fact, lambda: str(exact_batch_rows(backend, limit, rowwise=rowwise)),
                               parse)
+
+
+def step_cost_memory(backend: LlamaBackend) -> CostMemory:
+    """Where this model's step costs on this machine (build, CPU, threads, KV settings) are kept between
+    processes: the model facts file."""
+    fact = machine_fact(backend, "step costs")
+    return CostMemory(lambda: recall(backend.settings.path, fact),
+                      lambda text: remember(backend.settings.path, fact, text))
+
+
+def machine_fact(backend: LlamaBackend, *what: str) -> str:
+    """The name of a fact about running `backend`'s model that holds for this llama.cpp build, CPU,
+    thread count and KV settings only."""
+    settings, libraries = backend.settings, loaded_libraries()
+    cpu = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
+    build = "" if libraries is None else libraries.build_name
+    return "|".join((*what, f"{backend.n_threads} threads", settings.kv_type, settings.flash_attn, build, cpu,
+                     *(["rowwise"] if backend.supports_rowwise else [])))
 
 
 def digest_bytes(text: str) -> bytes:

@@ -61,23 +61,39 @@ def remembered(path: str | os.PathLike[str], fact: str, compute: Callable[[], st
     the pinned llama.cpp, computed once and then read back (per content hash, so a copied or moved
     file keeps it; a lost write only costs computing it again). What is read back is checked like
     any input: when `parse` refuses it (ValueError, TypeError, KeyError), the fact is computed again."""
-    cache_key = f"{model_content_hash(path)}|{LLAMA_COMMIT}|{fact}"
-    cache_file = cache_root() / FACTS_CACHE_FILE
-    known = _read_hash_cache(cache_file)
-    stored = known.get(cache_key)
-    if isinstance(stored, str):
+    stored = recall(path, fact)
+    if stored is not None:
         try:
             return parse(stored)
         except (ValueError, TypeError, KeyError):
             pass
     text = compute()
     value = parse(text)
-    known.pop(cache_key, None)
-    known[cache_key] = text
+    remember(path, fact, text)
+    return value
+
+
+def recall(path: str | os.PathLike[str], fact: str) -> str | None:
+    """What was last remembered of `fact` for the model file at `path` (its content), or None. The text
+    is unchecked input: its reader parses it as such."""
+    stored = _read_hash_cache(cache_root() / FACTS_CACHE_FILE).get(_fact_key(path, fact))
+    return stored if isinstance(stored, str) else None
+
+
+def remember(path: str | os.PathLike[str], fact: str, text: str) -> None:
+    """Keeps `text` as `fact` for the model file at `path` (best effort), the newest fact last: the
+    oldest are forgotten past MAX_REMEMBERED_FACTS."""
+    cache_file, key = cache_root() / FACTS_CACHE_FILE, _fact_key(path, fact)
+    known = _read_hash_cache(cache_file)
+    known.pop(key, None)
+    known[key] = text
     while len(known) > MAX_REMEMBERED_FACTS:
         del known[next(iter(known))]
     _write_hash_cache(cache_file, known, sort_keys=False)
-    return value
+
+
+def _fact_key(path: str | os.PathLike[str], fact: str) -> str:
+    return f"{model_content_hash(path)}|{LLAMA_COMMIT}|{fact}"
 
 
 def kv_fingerprint(content_hash: str, kv_type: str, flash_attn: str, n_stream: int) -> bytes:

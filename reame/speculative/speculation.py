@@ -25,6 +25,7 @@ its own controller and its own learned prior.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import threading
 import time
@@ -32,7 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from reame.speculative.controller import AcceptanceEstimate, CostModel, DraftController, SpeculationStats, step_gain
+from reame.speculative.controller import (AcceptanceEstimate, CostModel, DraftController, SpeculationStats,
+                                          believable_step, step_gain)
 from reame.speculative.source import Drafter, DraftSource
 
 if TYPE_CHECKING:
@@ -49,6 +51,15 @@ SHADOW_TOKENS = 4  # a guess checked for free is learned from after this many to
 def match_class(matched: int) -> int:
     """The class of a guess found after `matched` tokens of context (0: short, or a source that does not copy)."""
     return bisect.bisect_right(MATCH_CLASSES, matched)
+
+
+@dataclass(frozen=True)
+class CostMemory:
+    """Where step costs outlive the process: `recall` gives the text kept last (unchecked input, None
+    when there is none), `keep` keeps new text (best effort)."""
+
+    recall: Callable[[], str | None]
+    keep: Callable[[str], None]
 
 
 @dataclass
@@ -100,7 +111,7 @@ class Speculation:
     """
 
     def __init__(self, *sources: DraftSource, max_draft: int = 8, cost: CostModel | None = None,
-                 measure_exact_rows: Callable[[], int] | None = None) -> None:
+                 measure_exact_rows: Callable[[], int] | None = None, cost_memory: CostMemory | None = None) -> None:
         if not sources:
             raise ValueError("speculation needs at least one draft source")
         self.sources = sources
@@ -112,6 +123,7 @@ class Speculation:
         # than the tiled kernels' steps of the same size (the one-row kernel, for weights without a tiled
         # kernel in its order): their own curve (a given `cost` is both).
         self.rowwise_cost = CostModel() if cost is None else cost
+        self._cost_memory = cost_memory
         self.stats = SpeculationStats(max_draft)
         self._records = {source.name: _SourceRecord() for source in sources}
         self._lock = threading.Lock()
@@ -217,13 +229,50 @@ class Speculation:
         sequence drafts nothing)."""
         for source in self.sources:
             source.warm_up()
+        self._recall_costs()
         if self._measure_exact_rows is not None:
             self.exact_rows = max(1, self._measure_exact_rows())
             log.info("batches of up to %d rows decode each row exactly as one row alone", self.exact_rows)
 
     def close(self) -> None:
+        self._keep_costs()
         for source in self.sources:
             source.close()
+
+    def _recall_costs(self) -> None:
+        """Seeds the cost curves with the times processes on this machine measured last."""
+        for name, model in (("batched", self.cost), ("rowwise", self.rowwise_cost)):
+            model.seed(self._remembered_costs().get(name, {}))
+
+    def _keep_costs(self) -> None:
+        """Adds this process's step times to the memory, over what other processes (a server with other
+        settings, a one-shot run) kept there."""
+        if self._cost_memory is None:
+            return
+        curves = self._remembered_costs()
+        for name, model in (("batched", self.cost), ("rowwise", self.rowwise_cost)):
+            curves.setdefault(name, {}).update(model.snapshot())
+        try:
+            self._cost_memory.keep(json.dumps(curves))
+        except OSError:
+            log.warning("the step costs could not be kept for the next start", exc_info=True)
+
+    def _remembered_costs(self) -> dict[str, dict[int, float]]:
+        """The kept curves, read as the unchecked input they are ({} when there are none or they are
+        unreadable; CostModel.seed drops sizes and times it cannot believe)."""
+        if self._cost_memory is None:
+            return {}
+        try:
+            text = self._cost_memory.recall()
+            if text is None:
+                return {}
+            curves = {name: {int(size): float(seconds) for size, seconds in times.items()}
+                      for name, times in json.loads(text).items() if name in ("batched", "rowwise")}
+            return {name: {size: seconds for size, seconds in times.items() if believable_step(size, seconds)}
+                    for name, times in curves.items()}
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+            log.warning("the remembered step costs are unreadable: measuring them again", exc_info=True)
+            return {}
 
     @staticmethod
     def release(draftings: Sequence[Drafting]) -> None:

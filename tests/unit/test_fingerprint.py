@@ -87,3 +87,14 @@ def test_a_file_rewritten_in_place_with_its_size_and_mtime_put_back_gets_its_own
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # (each call sets ctime to now)
     assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
     assert fingerprint.model_content_hash(path) != first
+
+
+def test_a_fact_kept_anew_replaces_the_last_and_is_read_back_as_kept(tmp_path, monkeypatch):
+    """Facts that change as a process learns (step costs) are kept with `remember`, read with `recall`."""
+    monkeypatch.setenv("REAME_CACHE", str(tmp_path / "cache"))
+    path = model_file(tmp_path, b"GGUF" + b"f" * 100)
+    assert fingerprint.recall(path, "step costs") is None
+    fingerprint.remember(path, "step costs", "first")
+    fingerprint.remember(path, "step costs", "second")
+    assert fingerprint.recall(path, "step costs") == "second"
+    assert fingerprint.remembered(path, "step costs", lambda: "computed", str) == "second"

@@ -1,5 +1,6 @@
 """Speculative decoding on FakeBackend: exact outputs, exact distribution, the controller's decisions."""
 
+import json
 import math
 from collections import Counter
 
@@ -8,9 +9,9 @@ import pytest
 from reame.engine import Engine, GenerationRequest, SamplingParams, step
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule
 from reame.speculative import CostModel, DraftController, PromptLookup, Speculation
-from reame.speculative.controller import COST_MEMORY_STEPS, REPROBE_STEPS, expected_tokens
+from reame.speculative.controller import COST_MEMORY_STEPS, MODELLED_TOKENS, REPROBE_STEPS, expected_tokens
 from reame.speculative.lookup import MATCH_WINDOW
-from reame.speculative.speculation import match_class
+from reame.speculative.speculation import CostMemory, match_class
 
 COPY_TEXT = "the cat sat on the mat and the dog sat on the log; "
 
@@ -570,3 +571,59 @@ def test_exploring_climbs_from_short_steps_so_a_wrong_prior_costs_a_short_step()
     controller.verified(1, 0)
     assert controller.draft_length(cost, 1) == 0
     assert DraftController(max_draft=16, prior=0.95, probes=False).draft_length(cost, 1) == 3, "twice 2 rows"
+
+
+def kept_in(memory: dict) -> CostMemory:
+    """A cost memory held in `memory["text"]`, as the model facts file holds it between processes."""
+    return CostMemory(lambda: memory.get("text"), lambda text: memory.__setitem__("text", text))
+
+
+def test_step_costs_measured_by_one_process_start_the_next_one():
+    memory: dict = {}
+    first = Speculation(PromptLookup(), max_draft=4, cost_memory=kept_in(memory))
+    first.warm_up()
+    measured(first.rowwise_cost, 1, 0.040, 0.040)
+    measured(first.rowwise_cost, 3, 0.110)
+    measured(first.cost, 2, 0.070)
+    first.close()
+    second = Speculation(PromptLookup(), max_draft=4, cost_memory=kept_in(memory))
+    assert second.rowwise_cost.curve(1, 3) is None, "seeded at warm-up, on the engine thread"
+    second.warm_up()
+    assert second.rowwise_cost.snapshot() == {1: 0.040, 3: 0.110} and second.cost.snapshot() == {2: 0.070}
+    second.rowwise_cost.observe(3, 9.0)
+    assert second.rowwise_cost.snapshot()[3] == 0.110, "a size's first step in a process builds its graph"
+    second.rowwise_cost.observe(3, 0.120)
+    assert second.rowwise_cost.snapshot()[3] == pytest.approx(0.112)
+    for _ in range(COST_MEMORY_STEPS + 1):
+        second.rowwise_cost.observe(1, 0.040)
+    assert 3 not in second.rowwise_cost.snapshot(), "a remembered size no step uses is forgotten like any"
+
+
+def test_a_remembered_curve_spares_a_new_process_exploring_sizes_that_do_not_pay():
+    """On two AMD cores each row of a step costs about 0.9 of a one-row step, so no draft of a 0.75
+    acceptance pays; a process that must find that out tries longer steps first (3-20% lost on each of a
+    fresh Qwen2.5-Coder-1.5B server's first summaries); one that remembers the curve does not."""
+    times = {n: 0.040 * (1 + 0.9 * (n - 1)) for n in range(1, 18)}
+    memory = {"text": json.dumps({"rowwise": times})}
+    remembering = Speculation(PromptLookup(), max_draft=16, cost_memory=kept_in(memory))
+    remembering.warm_up()
+    fresh = Speculation(PromptLookup(), max_draft=16)
+    measured(fresh.rowwise_cost, 1, 0.040)
+    controller = DraftController(max_draft=16, prior=0.75, probes=False)
+    assert controller.draft_length(remembering.rowwise_cost, 1) == 0
+    assert controller.draft_length(fresh.rowwise_cost, 1) > 0
+
+
+@pytest.mark.parametrize("text", ["{", "[1]", '{"rowwise": [1]}', '{"rowwise": {"x": 0.1}}', '{"rowwise": {"1": []}}',
+                                  '{"rowwise": {"1": "nan", "2": -1, "3": 1e9, "0": 0.1, "999": 0.1, "4": 0.2}}',
+                                  '{"rowwise": {"' + "9" * 5000 + '": 0.1}}', "[" * 100_000 + "]" * 100_000])
+def test_a_remembered_curve_is_read_as_the_hostile_input_it_may_be(text):
+    """A file in the cache directory is input: what cannot be a step's size and time is not believed, the
+    rest seeds the curve, and what the process keeps is well formed again."""
+    memory = {"text": text}
+    speculation = Speculation(PromptLookup(), max_draft=4, cost_memory=kept_in(memory))
+    speculation.warm_up()
+    assert all(1 <= n <= MODELLED_TOKENS and 0 < t < 60 for n, t in speculation.rowwise_cost.snapshot().items())
+    assert speculation.rowwise_cost.snapshot() in ({}, {4: 0.2})
+    speculation.close()
+    assert json.loads(memory["text"])["rowwise"] in ({}, {"4": 0.2})
