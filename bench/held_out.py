@@ -15,7 +15,8 @@ fields under a JSON schema. The exact-answer cache is off, so every request deco
 Five servers from the same pinned build, model and threads, one request at a time in rotating order:
 Reame with speculation off (`REAME_SPECULATIVE_ENABLED=0`, its other settings as they come: exact, so its
 greedy generating steps are computed row by row as the next one's are), Reame as it comes (speculation on and exact,
-its Palimpsest archive in a fresh directory), Reame with `speculative.exact = false` (drafts verified at
+its Palimpsest archive in a fresh directory, the step costs of earlier runs on this machine remembered in the
+cache's model facts, as any server after its first), Reame with `speculative.exact = false` (drafts verified at
 any batch size), llama-server as it comes (no speculation) and llama-server `--spec-type ngram-simple`
 (sent the rewrites only). Each Reame has a prefix cache of its own, so no server restores another's
 prompt. Then every server is restarted (archives and prefix caches stay on disk) and the three Reames

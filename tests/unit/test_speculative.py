@@ -203,7 +203,7 @@ LONG_GREEDY = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 @pytest.mark.parametrize("copy_right", [True, False])
 def test_free_sources_offering_at_once_are_weighed_not_taken_in_order(copy_right):
     """The first source's two sure tokens do not displace a copy worth eight; a copy that is wrong does not
-    displace them either; the source not taken still learns from its guesses as the text is emitted."""
+    displace them for long; the source not taken still learns from its guesses as the text is emitted."""
     forced = AlphabetGuesses("forced", 2, matched=0)
     copy = AlphabetGuesses("copy", 16, matched=32, right=copy_right)
     speculation = Speculation(forced, copy, max_draft=8, cost=FrozenCost(per_token=0.3))
@@ -214,7 +214,8 @@ def test_free_sources_offering_at_once_are_weighed_not_taken_in_order(copy_right
     if copy_right:
         assert drafted.get("forced", 0) == 0 and drafted["copy"] > 150
     else:
-        assert drafted["forced"] > 100 and drafted.get("copy", 0) < 10
+        assert drafted["forced"] > 100 and drafted.get("copy", 0) <= 16, \
+            "a long match is believed at first (CLASS_PRIORS): a draft or two, then its class learned it is wrong"
     acceptance = speculation.acceptance()
     assert acceptance["forced"] > 0.9 and (acceptance["copy"] > 0.9) == copy_right
 
@@ -627,3 +628,13 @@ def test_a_remembered_curve_is_read_as_the_hostile_input_it_may_be(text):
     assert speculation.rowwise_cost.snapshot() in ({}, {4: 0.2})
     speculation.close()
     assert json.loads(memory["text"])["rowwise"] in ({}, {"4": 0.2})
+
+
+@pytest.mark.parametrize("matched, drafts", [(32, 10), (2, 0)])
+def test_a_fresh_process_drafts_a_long_match_at_once_and_a_short_one_not(matched, drafts):
+    """After a restart the Palimpsest's copy of a repeated answer (a match of 16 tokens or more) is drafted
+    from its first step, where a 17-row exact step costs about ten one-row steps (AMD EPYC); a 2-token
+    match's guess is only checked against what the model emits."""
+    speculation = Speculation(AlphabetGuesses("copy", 16, matched=matched), max_draft=16, cost=FrozenCost(0.6))
+    draftings = speculation.start([ord("x")] * 20)
+    assert len(speculation.propose(draftings, 1, 1, 16)[1]) == drafts  # 10: the best length at 0.99 there
