@@ -104,19 +104,37 @@ def test_prompt_lookup_says_how_long_a_context_its_guess_was_found_after():
     assert (drafter.propose(3), drafter.matched) == ([180, 181, 182], MATCH_WINDOW)  # measured up to the window
 
 
-class ClassedGuesses:
+class QuietSource:
+    """A test draft source: nothing to warm up or release."""
+
+    free = True
+
+    def warm_up(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class QuietDrafter:
+    """A test drafter: nothing to release."""
+
+    matched = 0
+
+    def close(self):
+        pass
+
+
+class ClassedGuesses(QuietSource):
     """A free source whose guesses are right after a long context match and wrong after a short one, as
     prompt lookup's are where a model copies its input (Drafter.matched alternates by position)."""
 
     name = "classed"
-    free = True
 
     def drafter(self, prompt, grammar=None):
         source = self
 
-        class Drafter:
-            matched = 0
-
+        class Drafter(QuietDrafter):
             def __init__(self):
                 self.history = list(prompt)
 
@@ -127,19 +145,10 @@ class ClassedGuesses:
                 self.matched = 32 if (len(self.history) // 8) % 2 else 2
                 right = source.truth(self.history)
                 return right[:limit] if self.matched == 32 else [ord("#")] * limit
-
-            def close(self):
-                pass
         return Drafter()
 
     def truth(self, history):
         return [ord("a") + (len(history) + i) % 26 for i in range(16)]
-
-    def warm_up(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def alphabet_rule(history):
@@ -161,11 +170,9 @@ def test_guesses_after_a_long_match_learn_their_own_acceptance_and_draft_where_s
     assert acceptance[match_class(32)] > 0.9 and acceptance[match_class(2)] < 0.1
 
 
-class AlphabetGuesses:
+class AlphabetGuesses(QuietSource):
     """A free source that guesses up to `length` tokens of alphabet_rule's text, right or all wrong: Il
     Suggeritore's few forced tokens, or the Palimpsest's copy of a whole repeated answer."""
-
-    free = True
 
     def __init__(self, name, length, matched, right=True):
         self.name, self.length, self.matched, self.right = name, length, matched, right
@@ -173,7 +180,7 @@ class AlphabetGuesses:
     def drafter(self, prompt, grammar=None):
         source = self
 
-        class Drafter:
+        class Drafter(QuietDrafter):
             matched = source.matched
 
             def __init__(self):
@@ -186,15 +193,7 @@ class AlphabetGuesses:
                 n = min(limit, source.length)
                 return ClassedGuesses().truth(self.history)[:n] if source.right else [ord("#")] * n
 
-            def close(self):
-                pass
         return Drafter()
-
-    def warm_up(self):
-        pass
-
-    def close(self):
-        pass
 
 
 LONG_GREEDY = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -310,11 +309,10 @@ def fixed_distribution_rule(probabilities):
     return lambda history: logits
 
 
-class AlwaysDraft:
+class AlwaysDraft(QuietSource):
     """A source that always proposes the same token: accepted with probability p(token)."""
 
     name = "always"
-    free = True
 
     def __init__(self, token):
         self.token = token
@@ -322,24 +320,13 @@ class AlwaysDraft:
     def drafter(self, prompt, grammar=None):
         token = self.token
 
-        class Drafter:
-            matched = 0
-
+        class Drafter(QuietDrafter):
             def observe(self, tokens):
                 pass
 
             def propose(self, limit):
                 return [token] * limit
-
-            def close(self):
-                pass
         return Drafter()
-
-    def warm_up(self):
-        pass
-
-    def close(self):
-        pass
 
 
 P = {ord("a"): 0.5, ord("b"): 0.3, ord("c"): 0.2}
