@@ -165,9 +165,8 @@ class Speculation:
             controller = drafting.controllers[match]
             offered.append((drafting, guess, match))
             k = controller.draft_length(cost, batch_tokens, 0.0, batch_yield)
-            if k:
-                times = cost.curve(batch_tokens, batch_tokens + min(k, len(guess)))
-                assert times is not None  # a draft length was found from them
+            times = cost.curve(batch_tokens, batch_tokens + min(k, len(guess))) if k else None
+            if times is not None:
                 drafts = guess[:k]
                 gain = step_gain(controller.acceptance, len(drafts), times[0], times[-1], batch_yield)
                 if best is None or gain > best[0]:
