@@ -221,9 +221,15 @@ class DraftController:
         """How many tokens to draft in a step that already carries `batch_tokens` and would yield
         `batch_yield` tokens (its sequences' next tokens), when drafting costs `seconds_per_draft`
         per token; 0 for a plain step."""
+        return self.draft(cost, batch_tokens, seconds_per_draft, batch_yield)[0]
+
+    def draft(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0,
+              batch_yield: float = 1.0) -> tuple[int, list[float]]:
+        """`draft_length`'s length, and the step times it weighed (times[i]: a step carrying `batch_tokens`
+        + i; [] before any step was measured), so a caller weighing drafts does not fit the curve again."""
         times = cost.curve(batch_tokens, batch_tokens + self.max_draft)
         if times is None:
-            return 0
+            return 0, []
         base = times[0]
         acceptance = self.acceptance
         best_k, best_gain = 0, MIN_GAIN
@@ -233,7 +239,7 @@ class DraftController:
                 best_k, best_gain = k, gain
         explored = self._explore(cost, batch_tokens, seconds_per_draft, batch_yield, max(best_gain, MIN_GAIN))
         if explored:
-            return explored
+            return explored, times
         if best_k == 0 and self.probes:
             self._plain_steps += 1
             probe = min(PROBE_DRAFT, self.max_draft)
@@ -242,7 +248,7 @@ class DraftController:
             if self._plain_steps >= max(REPROBE_STEPS, probe_cost * batch_yield / (PROBE_BUDGET * base)):
                 self._plain_steps = 0
                 best_k = probe
-        return best_k
+        return best_k, times
 
     def _explore(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float, batch_yield: float,
                  to_beat: float) -> int:

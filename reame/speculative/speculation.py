@@ -164,11 +164,10 @@ class Speculation:
             match = match_class(drafting.drafter.matched)
             controller = drafting.controllers[match]
             offered.append((drafting, guess, match))
-            k = controller.draft_length(cost, batch_tokens, 0.0, batch_yield)
-            times = cost.curve(batch_tokens, batch_tokens + min(k, len(guess))) if k else None
-            if times is not None:
+            k, times = controller.draft(cost, batch_tokens, 0.0, batch_yield)
+            if k:
                 drafts = guess[:k]
-                gain = step_gain(controller.acceptance, len(drafts), times[0], times[-1], batch_yield)
+                gain = step_gain(controller.acceptance, len(drafts), times[0], times[len(drafts)], batch_yield)
                 if best is None or gain > best[0]:
                     best = (gain, drafting, drafts, match)
         for drafting, guess, match in offered:  # a guess not verified is checked against what the model emits
@@ -242,10 +241,15 @@ class Speculation:
         for source in self.sources:
             source.close()
 
+    def _curves(self) -> tuple[tuple[str, CostModel], ...]:
+        """The cost curves by the names they are kept under (one model twice when a `cost` was given)."""
+        return ("batched", self.cost), ("rowwise", self.rowwise_cost)
+
     def _recall_costs(self) -> None:
         """Seeds the cost curves with the times processes on this machine measured last."""
-        for name, model in (("batched", self.cost), ("rowwise", self.rowwise_cost)):
-            model.seed(self._remembered_costs().get(name, {}))
+        remembered = self._remembered_costs()
+        for name, model in self._curves():
+            model.seed(remembered.get(name, {}))
 
     def _keep_costs(self) -> None:
         """Adds this process's step times to the memory, over what other processes (a server with other
@@ -253,7 +257,7 @@ class Speculation:
         if self._cost_memory is None:
             return
         curves = self._remembered_costs()
-        for name, model in (("batched", self.cost), ("rowwise", self.rowwise_cost)):
+        for name, model in self._curves():
             curves.setdefault(name, {}).update(model.snapshot())
         try:
             self._cost_memory.keep(json.dumps(curves))
@@ -261,8 +265,8 @@ class Speculation:
             log.warning("the step costs could not be kept for the next start", exc_info=True)
 
     def _remembered_costs(self) -> dict[str, dict[int, float]]:
-        """The kept curves, read as the unchecked input they are ({} when there are none or they are
-        unreadable; CostModel.seed drops sizes and times it cannot believe)."""
+        """The kept curves, read as the unchecked input they are: only sizes and times a step can have
+        ({} when there are none or they are unreadable), so what is kept again is well formed."""
         if self._cost_memory is None:
             return {}
         try:
