@@ -36,7 +36,7 @@ def parsed(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--port", "--host", "--temp", "--seed", "--model", "--hf-repo", "--hf-file", "--alias", "--ctx-size",
                  "--parallel", "--n-predict", "--api-key", "--threads", "--batch-size", "--ubatch-size", "-ctk",
                  "-ctv", "-fa", "--slot-save-path", "--chat-template", "--chat-template-file", "--cache-ram",
-                 "--reasoning-format", "--reasoning", "--pooling", "--cors-origins"):
+                 "--reasoning-format", "--reasoning", "--pooling", "--cors-origins", "--tags"):
         parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"))
     for switch in IGNORED_SWITCHES:
         parser.add_argument(switch, action="store_true")
@@ -64,7 +64,10 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
                         ("--seed", args.seed)):
         if value:
             command += [flag, value]
-    env = {"REAME_SERVER_MODEL_ID": args.alias or "", "REAME_CACHE_ANSWERS": "0",
+    # llama-server's --alias is a set of names whose least is the id: Reame's id first, then its other names.
+    aliases = sorted({name.strip() for name in (args.alias or "").split(",") if name.strip()})
+    env = {"REAME_SERVER_MODEL_ID": "|".join(aliases), "REAME_SERVER_MODEL_TAGS": args.tags or "",
+           "REAME_CACHE_ANSWERS": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     if args.n_predict and int(args.n_predict) > 0:  # llama-server's default for a request that sets none
         env["REAME_GENERATION_MAX_TOKENS"] = args.n_predict
@@ -74,6 +77,10 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
         env["REAME_SERVER_SLOTS"] = "false"
     if args.no_ui:
         env["REAME_SERVER_WEB_PAGE"] = "false"
+    if args.pooling:  # llama-server's --pooling: Reame's embeddings.pooling has the same names
+        env["REAME_EMBEDDINGS_POOLING"] = args.pooling
+    if args.chat_template:  # one of llama.cpp's formats by name (a Jinja text is not taken here)
+        env["REAME_MODEL_CHAT_TEMPLATE"] = args.chat_template
     if args.ctk in ("f16", "q8_0", "q4_0"):
         command += ["--kv-type", args.ctk]
     return command, env

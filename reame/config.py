@@ -24,6 +24,18 @@ ENV_PREFIX = "REAME_"
 NON_KEY_ENV = {"REAME_HOME", "REAME_CACHE", "REAME_LIBLLAMA", "REAME_LLAMA_VERBOSE", "REAME_CONFIG"}
 
 
+# The chat formats libllama knows by name at the pin (src/llama-chat.cpp, LLM_CHAT_TEMPLATES): `model.chat_template`
+# may name one instead of the model's own template, as llama-server's --chat-template does.
+LLAMA_CHAT_TEMPLATES = (
+    "chatml", "llama2", "llama2-sys", "llama2-sys-bos", "llama2-sys-strip", "mistral-v1", "mistral-v3",
+    "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken", "phi3", "phi4", "falcon3", "zephyr", "monarch", "gemma",
+    "orion", "openchat", "vicuna", "vicuna-orca", "deepseek", "deepseek2", "deepseek3", "deepseek-ocr", "command-r",
+    "llama3", "chatglm3", "chatglm4", "glmedge", "minicpm", "exaone3", "exaone4", "exaone-moe", "rwkv-world",
+    "granite", "granite-4.0", "granite-4.1", "gigachat", "megrez", "yandex", "bailing", "bailing-think", "bailing2",
+    "llama4", "smolvlm", "hunyuan-moe", "gpt-oss", "hunyuan-dense", "hunyuan-vl", "kimi-k2", "seed_oss", "grok-2",
+    "pangu-embedded", "solar-open")
+
+
 @dataclass(frozen=True)
 class Key:
     name: str  # section.key
@@ -50,7 +62,8 @@ KEYS: tuple[Key, ...] = (
     Key("model.ubatch", "int", 0, "physical batch; 0 = chosen for this host", minimum=0),
     Key("model.chat_template", "choice", "jinja",
         "jinja = the model's own chat template (as Hugging Face renders it); builtin = llama.cpp's detection of "
-        "well-known formats", choices=("jinja", "builtin")),
+        "well-known formats; or one of llama.cpp's formats by name (chatml, llama3, command-r, ...)",
+        choices=("jinja", "builtin", *LLAMA_CHAT_TEMPLATES)),
     Key("memory.use_mmap", "bool", True, "map the model file instead of reading it"),
     Key("memory.use_mlock", "bool", False, "lock the model in RAM"),
     Key("memory.kv_cache_type", "choice", "auto", "KV cache element type; auto = chosen for this host",
@@ -76,7 +89,10 @@ KEYS: tuple[Key, ...] = (
         minimum=0.1),
     Key("server.shutdown_grace_seconds", "float", 30, "on SIGTERM/SIGINT, time left to requests in flight",
         minimum=0),
-    Key("server.model_id", "str", "", "the first model's id in /v1/models and responses; empty = its name"),
+    Key("server.model_id", "str", "", "the first model's id in /v1/models and responses, then more names a request "
+        "may use for it, separated by | (coder|qwen); empty = its name"),
+    Key("server.model_tags", "str", "", "tags /v1/models lists for the first model, comma-separated (as "
+        "llama-server's --tags)"),
     Key("server.node_name", "str", "", "this node's name in every response's X-Reame-Node header (which node of a "
         "fleet answered); empty = the host name"),
     Key("server.parallel", "int", 0, "sequences generated together in one batch when serving; 0 = chosen (4)",
@@ -177,8 +193,9 @@ KEYS: tuple[Key, ...] = (
         minimum=0),
     Key("embeddings.context_length", "int", 2048,
         "tokens of the embedding context (the longest input, and the most tokens per embedding decode)", minimum=16),
-    Key("embeddings.pooling", "choice", "auto", "how an embedding pools its tokens; auto = the model's own, else mean",
-        choices=("auto", "mean", "cls", "last")),
+    Key("embeddings.pooling", "choice", "auto", "how an embedding pools its tokens; auto = the model's own, else "
+        "mean; none = a vector per token (llama-server's /embeddings only)",
+        choices=("auto", "mean", "cls", "last", "none")),
     Key("speculative.enabled", "bool", True,
         "draft tokens and verify them in one step, where the controller measures a gain"),
     Key("speculative.lookup", "bool", True, "draft by prompt lookup (copying from the prompt and answer)"),

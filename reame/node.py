@@ -67,6 +67,7 @@ class Planned:
     path: Path
     chosen: Plan
     model: ModelSettings
+    given: tuple[str, ...] = ()  # the names the configuration gave it (llama-server's `aliases`)
 
 
 @dataclass
@@ -88,7 +89,10 @@ def serve_model(settings: Settings, path: Path, entry: catalog.ModelEntry | None
 def node_of(settings: Settings, path: Path, entry: catalog.ModelEntry | None, chosen: Plan) -> Node:
     """The first model and the others server.models names, planned, with their caches and sessions; none loaded."""
     server = settings.server
-    planned = with_others(settings, [planned_model(settings, names_of(server.model_id, path, entry), path, chosen)])
+    given = tuple(name.strip() for name in server.model_id.split("|") if name.strip())
+    first = planned_model(settings, names_of(given[0] if given else "", path, entry, given[1:]), path, chosen)
+    first.given = given
+    planned = with_others(settings, [first])
     tiers = answer_tiers(settings, ram=True)
     fingerprints = [item.model.kv_fingerprint() for item in planned]
     answers = [AnswerCache(tiers, fingerprint) if tiers else None for fingerprint in fingerprints]
@@ -97,7 +101,8 @@ def node_of(settings: Settings, path: Path, entry: catalog.ModelEntry | None, ch
                           memory_estimate(item),
                           Sessions(cache_root() / "sessions" / directory_name(item.names[0]), fingerprint,
                                    server.sessions),
-                          answers=kept, semantic=similar, pinned=index == 0)
+                          answers=kept, semantic=similar, pinned=index == 0,
+                          given_names=item.given, tags=server.model_tags if index == 0 else ())
               for index, (item, fingerprint, kept, similar) in enumerate(zip(planned, fingerprints, answers, semantic))]
     by_name = {item.names[0]: item for item in planned}
 
@@ -146,9 +151,12 @@ def with_others(settings: Settings, planned: list[Planned]) -> list[Planned]:
         same = next((item for item in planned if item.path.resolve() == path.resolve()), None)
         if same is not None:
             same.names = list(dict.fromkeys([*same.names, *spec.names]))
+            same.given = tuple(dict.fromkeys([*same.given, *spec.names]))
             continue
-        planned.append(planned_model(settings, names_of(spec.names[0] if spec.names else "", path, entry,
-                                                        spec.names[1:]), path, plan(settings, path, entry)))
+        other = planned_model(settings, names_of(spec.names[0] if spec.names else "", path, entry, spec.names[1:]),
+                              path, plan(settings, path, entry))
+        other.given = spec.names
+        planned.append(other)
     claimed: dict[str, Planned] = {}
     for item in planned:
         for name in item.names:

@@ -66,7 +66,8 @@ class ServerOptions:
     header_timeout_s: float
     request_timeout_s: float
     shutdown_grace_s: float
-    model_id: str  # "": the model's name
+    model_id: str  # "": the model's name; more names after |
+    model_tags: tuple[str, ...]
     node_name: str  # "": the host name
     parallel: int  # 0: chosen
     prefill_chunk_tokens: int
@@ -201,6 +202,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             idle_timeout_s=get("server.idle_timeout_seconds"), header_timeout_s=get("server.header_timeout_seconds"),
             request_timeout_s=get("server.request_timeout_seconds"),
             shutdown_grace_s=get("server.shutdown_grace_seconds"), model_id=get("server.model_id"),
+            model_tags=comma_list(get("server.model_tags")),
             node_name=get("server.node_name"),
             parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
             max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),

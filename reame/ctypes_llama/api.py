@@ -143,6 +143,8 @@ _declare("llama_decode", [llama_context_p, llama_batch], c_int32)
 _declare("llama_set_abort_callback", [llama_context_p, ggml_abort_callback, c_void_p], None)
 # LLAMA_API float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 _declare("llama_get_logits_ith", [llama_context_p, c_int32], POINTER(c_float))
+# LLAMA_API float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
+_declare("llama_get_embeddings_ith", [llama_context_p, c_int32], POINTER(c_float))
 # LLAMA_API float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
 _declare("llama_get_embeddings_seq", [llama_context_p, llama_seq_id], POINTER(c_float),
          "embeddings")
@@ -187,6 +189,8 @@ _declare("llama_detokenize",
 #                                             size_t n_msg, bool add_ass, char * buf, int32_t length);
 _declare("llama_chat_apply_template",
          [c_char_p, POINTER(llama_chat_message), c_size_t, c_bool, c_char_p, c_int32], c_int32)
+# LLAMA_API int32_t llama_chat_builtin_templates(const char ** output, size_t len);
+_declare("llama_chat_builtin_templates", [POINTER(c_char_p), c_size_t], c_int32)
 
 # LLAMA_API float * llama_get_sampled_logits_ith(struct llama_context * ctx, int32_t i);
 _declare("llama_get_sampled_logits_ith", [llama_context_p, c_int32], POINTER(c_float),

@@ -2,8 +2,9 @@
 
 A job is checked in its caller's thread (EmbeddingJob.checked) and queued through the engine's inbox; the
 engine thread owns `Embeddings` and runs one embedding decode per loop turn (the next inputs of the oldest
-job that fit one batch), so a large request slows the running generations, never stalls them. Vectors are
-unit length, as OpenAI's are (a dot product is the cosine).
+job that fit one batch), so a large request slows the running generations, never stalls them. Pooled
+vectors are unit length, as OpenAI's are (a dot product is the cosine); a model whose embeddings are not
+pooled (pooling "none") gives each token's vector as computed, every input's in turn.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class Embeddings:
             end += 1
         self.decodes += 1
         try:
-            job.vectors.extend(unit_length(vector) for vector in backend.embed(job.inputs[done:end]))
+            vectors = backend.embed(job.inputs[done:end])
+            # A token's vector (pooling "none") is given as the model computed it, as llama-server gives it.
+            job.vectors.extend(map(unit_length, vectors) if backend.embeddings_pooled else vectors)
         except Exception as error:  # one failed job fails alone
             log.exception("embedding failed")
             self._jobs.popleft()

@@ -55,6 +55,9 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     add_special: bool = True
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    # With logprobs: under the distribution the request's sampler chain draws from (its bias, penalties,
+    # truncations and temperature: llama-server's `post_sampling_probs`), not the model's own.
+    post_sampling: bool = False
     session: Session | None = None
     warm: bool = False  # only prefill the prompt into the prefix cache: no token is generated
     suffix: str | None = None  # fill in the middle: the text after the gap; the prompt is the text before it
@@ -68,11 +71,17 @@ class GenerationRequest:
     # Work nobody waits on (a batch's line): while another request's prompt is being prefilled, this one's
     # rows step aside, so a person's first token does not wait on it.
     background: bool = False
+    # Say how the prompt's prefill goes (llama-server's `return_progress`): a ProgressEvent once the request
+    # has its slot (what it found cached), then one after each step that fed some of its prompt.
+    progress: bool = False
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
+        if self.post_sampling and self.params.grammar is not None:
+            raise RequestError("post-sampling probabilities are not given beside a grammar or a schema",
+                               param="post_sampling_probs")
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise RequestError("the prompt is empty", param="prompt")
@@ -105,6 +114,18 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """How far a prompt's prefill is: `processed` of its `total` tokens are in the KV, `cache` of them found
+    there (not computed), `seconds` after the request got its slot. Sent only to a request that asked."""
+
+    total: int
+    cache: int
+    processed: int
+    seconds: float
+    text: str = ""  # (an event's text: a progress adds none to the answer)
 
 
 @dataclass(frozen=True)
@@ -154,7 +175,7 @@ class FinishEvent:
     stop_sequence: str = ""  # for a "stop" at one of the request's stop strings: which
 
 
-Event = Union[TokenEvent, FinishEvent]
+Event = Union[TokenEvent, FinishEvent, ProgressEvent]
 
 
 class Handle:

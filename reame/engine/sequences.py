@@ -142,6 +142,8 @@ class Sequences:
         if start.leader is not None:
             running.follow(start.leader)
         self.running.append(running)
+        if start.leader is None:
+            running.report_progress()
         self.changed = True
         return running
 

@@ -11,7 +11,7 @@ import codecs
 import enum
 import time
 
-from reame.engine.request import Handle, SessionState
+from reame.engine.request import Handle, ProgressEvent, SessionState
 from reame.engine.textstream import TextStream
 from reame.speculative import Drafting
 from reame.structured.grammar import GrammarState
@@ -114,6 +114,13 @@ class Running:
         self.phase, self.leader, self.followers = Phase.PROMPT, None, followers
         for follower in followers:
             follower.leader = self
+
+    def report_progress(self) -> None:
+        """Tell a request that asked (GenerationRequest.progress) how far its prompt's prefill is."""
+        if self.handle.request.progress:
+            total = len(self.prompt)
+            self.handle._put(ProgressEvent(total, min(self.cached, total), min(self.n_fed, total),
+                                           time.perf_counter() - self.admitted_at))
 
     def generate(self, token: int) -> None:
         """`token` was emitted and goes into the next step."""

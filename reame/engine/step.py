@@ -21,7 +21,7 @@ from reame.engine.interruption import BackgroundInterruption
 from reame.engine.sequences import Sequences
 from reame.engine.slots import Phase, Running
 from reame.model.backend import DECODE_INTERRUPTED, DECODE_NO_KV_SLOT, Backend
-from reame.model.sampling import log_softmax_of
+from reame.model.sampling import log_softmax_of, post_sampling_of
 from reame.speculative import Drafting, Speculation
 
 
@@ -203,10 +203,18 @@ def verify(backend: Backend, draw: Draw, top: int | None) -> list[Chosen]:
     a plain draw from the model with the request's chain, greedy or not.
     """
     chosen: list[Chosen] = []
+    request = draw.running.handle.request
     for offset in range(len(draw.drafts) + 1):
         row = draw.row + offset
         token = backend.sample(draw.running.sampler, row)
-        logprobs = (None, ()) if top is None else log_softmax_of(backend.logits(row), token, top)
+        if top is None:
+            logprobs: tuple[float | None, tuple[tuple[int, float], ...]] = (None, ())
+        elif request.post_sampling:
+            history = [*draw.running.prompt, *draw.running.generated_tokens, *(item[0] for item in chosen)]
+            logprobs = post_sampling_of(backend.logits(row), token, top, request.params, history,
+                                        backend.eog_tokens() if request.params.ignore_eos else ())
+        else:
+            logprobs = log_softmax_of(backend.logits(row), token, top)
         chosen.append((token, *logprobs))
         if offset == len(draw.drafts) or token != draw.drafts[offset]:
             break
@@ -336,12 +344,14 @@ class Stepper:
             return
         for running, take in outcome.fed:
             running.n_fed += take
+            running.report_progress()
         if self.cache is not None:
             for snapshot in outcome.snapshots:
                 self.cache.offer(snapshot)
         for leader in outcome.clones:
             for follower in leader.followers:
                 follower.lead(len(leader.prompt), [])
+                follower.report_progress()
             leader.followers = []
         self.drafts_paused = False
         for draw in outcome.draws:

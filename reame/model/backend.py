@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from reame.config import LLAMA_CHAT_TEMPLATES
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 from reame.errors import ModelError, ModelFileError
 from reame.model.fingerprint import kv_fingerprint, model_content_hash
@@ -26,11 +27,12 @@ from reame.model.sampling import Step
 KV_TYPES = ("f16", "q8_0", "q4_0")
 FLASH_ATTN_MODES = ("auto", "on", "off")
 # "jinja": the model's own template (the GGUF's, rendered as Hugging Face does); "builtin":
-# llama.cpp's detection of well-known formats. Models without a template use llama.cpp's either way.
-CHAT_TEMPLATE_MODES = ("jinja", "builtin")
+# llama.cpp's detection of well-known formats; or one of llama.cpp's formats by name, instead of the model's.
+# Models without a template use llama.cpp's detection when not given a name.
+CHAT_TEMPLATE_MODES = ("jinja", "builtin", *LLAMA_CHAT_TEMPLATES)
 # How an embedding pools a sequence's token vectors.
 EMBEDDING_POOLING = {"mean": t.LLAMA_POOLING_TYPE_MEAN, "cls": t.LLAMA_POOLING_TYPE_CLS,
-                     "last": t.LLAMA_POOLING_TYPE_LAST}
+                     "last": t.LLAMA_POOLING_TYPE_LAST, "none": t.LLAMA_POOLING_TYPE_NONE}
 EMBEDDING_SEQUENCES = 8  # inputs embedded in one decode
 # The special tokens a template may name, and the GGUF keys holding their ids.
 TEMPLATE_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
@@ -137,8 +139,12 @@ class Backend(Vocabulary, Protocol):
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """One pooled (not normalised) embedding per input, computed beside generation without touching
-        its KV; at most `embedding_batch` inputs of at most `embedding_context_tokens` tokens in all."""
+        its KV; at most `embedding_batch` inputs of at most `embedding_context_tokens` tokens in all. Not
+        `embeddings_pooled` (pooling "none"): one per token instead, every input's in turn."""
         ...
+
+    @property
+    def embeddings_pooled(self) -> bool: ...
 
     @property
     def embedding_batch(self) -> int: ...
@@ -223,7 +229,8 @@ class ModelSettings:
             raise ModelError(f"embedding pooling must be auto or one of {', '.join(EMBEDDING_POOLING)}, "
                              f"got '{self.embedding_pooling}'")
         if self.chat_template not in CHAT_TEMPLATE_MODES:
-            raise ModelError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, "
+            raise ModelError(f"chat_template must be jinja, builtin or one of llama.cpp's formats by name "
+                             f"({', '.join(LLAMA_CHAT_TEMPLATES)}), "
                              f"got '{self.chat_template}'")
         if self.kv_type != "f16" and self.flash_attn == "off":
             raise ModelError(f"a {self.kv_type} KV cache needs flash attention: set flash_attn to auto or on")

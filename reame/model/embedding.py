@@ -1,4 +1,5 @@
-"""Embeddings over the model's weights: a second context that pools each sequence into one vector."""
+"""Embeddings over the model's weights: a second context that pools each sequence into one vector (or, with
+pooling "none", gives each token's)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ class EmbeddingContext:
         self._memory = api.llama_get_memory(self._ctx)
         self._batch = api.llama_batch_init(n_ctx, 0, 1)
 
-    def embed(self, inputs: Sequence[Sequence[int]], n_embd: int) -> list[list[float]]:
+    def embed(self, inputs: Sequence[Sequence[int]], n_embd: int, pooled: bool = True) -> list[list[float]]:
+        """Each input's pooled vector; not `pooled` (a context made with pooling "none"), each token's, every
+        input's in turn."""
         n = sum(len(tokens) for tokens in inputs)
         if not inputs or len(inputs) > EMBEDDING_SEQUENCES or n > self._api.llama_n_batch(self._ctx):
             raise ModelError(f"an embedding batch takes 1..{EMBEDDING_SEQUENCES} inputs within its context")
@@ -53,6 +56,13 @@ class EmbeddingContext:
             if status != DECODE_OK:
                 raise ModelError(f"embedding decode failed with status {status}{last_llama_error()}")
             vectors = []
+            if not pooled:
+                for row in range(n):
+                    pointer = self._api.llama_get_embeddings_ith(self._ctx, row)
+                    if not pointer:
+                        raise ModelError("the embedding context returned no vector for a token")
+                    vectors.append(pointer[:n_embd])
+                return vectors
             for seq_id in range(len(inputs)):
                 pointer = self._api.llama_get_embeddings_seq(self._ctx, seq_id)
                 if not pointer:

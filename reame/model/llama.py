@@ -301,12 +301,16 @@ class LlamaBackend(LoadedModel):
     def embedding_batch(self) -> int:
         return EMBEDDING_SEQUENCES
 
+    @property
+    def embeddings_pooled(self) -> bool:
+        return self.embedding_pooling != "none"
+
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         self._rowwise_kernels(False)  # an embedding is the same whatever step came before it
         if self._embedder is None:
             self._embedder = EmbeddingContext(self._api, self._model, self.n_threads, self.settings.embedding_ctx,
                                                EMBEDDING_POOLING[self.embedding_pooling], self._threadpool)
-        return self._embedder.embed(inputs, self.n_embd)
+        return self._embedder.embed(inputs, self.n_embd, self.embeddings_pooled)
 
     def kv_fingerprint(self) -> bytes:
         return self.settings.kv_fingerprint()

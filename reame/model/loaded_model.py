@@ -25,6 +25,7 @@ from reame.ctypes_llama import types as t  # plain ctypes declarations: importin
 from reame.errors import ModelError
 from reame.model.backend import (BUILTIN_TEMPLATE_BY_ARCH, TEMPLATE_SPECIAL_TOKENS, ModelSettings,
                                  fallback_chat_format)
+from reame.config import LLAMA_CHAT_TEMPLATES
 from reame.model.fingerprint import remembered
 from reame.model.library import forget_llama_errors, init_native, last_llama_error
 
@@ -62,6 +63,8 @@ class LoadedModel:
         self.n_embd = api.llama_model_n_embd(self._model)
         self.sliding_window = api.llama_model_n_swa(self._model)
         template = api.llama_model_chat_template(self._model, None)
+        if settings.chat_template in LLAMA_CHAT_TEMPLATES:  # a format named instead of the model's own
+            template = settings.chat_template.encode()
         self._chat_template: bytes | None = template or (
             BUILTIN_TEMPLATE_BY_ARCH[self.architecture].encode()
             if self.architecture in BUILTIN_TEMPLATE_BY_ARCH else None)

@@ -8,6 +8,7 @@ Speculative verification will compute its probabilities from the same chain.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -172,3 +173,58 @@ def log_softmax_of(logits: Sequence[float], token: int, top: int) -> tuple[float
         close = [i for i, value in enumerate(logits) if value >= floor]
         best = tuple((i, logits[i] - norm) for i in heapq.nlargest(top, close, key=logits.__getitem__))
     return logits[token] - norm, best
+
+
+def post_sampling_of(logits: Sequence[float], token: int, top: int, params: SamplingParams,
+                     history: Sequence[int], banned: Iterable[int] = ()) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """llama-server's `post_sampling_probs`: the log-probability of `token` and of the `top` most likely
+    tokens (at most as many as are left) under the distribution `params`' chain draws from, as llama.cpp's
+    samplers compute it: the logit bias, the penalties over `history` (the prompt's window and the tokens
+    drawn since), then top-k, top-p and min-p over the logits, the temperature, and the softmax over what is
+    left (`banned`: the end-of-generation tokens an ignore_eos request bans). A greedy chain draws its token
+    for certain. (A grammar's sampler is not replayed: the engine
+    refuses post-sampling probabilities beside one.)
+
+    Only tokens within LOGPROB_WINDOW of the best (times the temperature, which flattens them) are looked
+    at: the rest cannot survive top-p or min-p, nor weigh on the softmax (e^-30 each)."""
+    if params.greedy:
+        return 0.0, ((token, 0.0),)[:top]
+    edited: dict[int, float] = {}
+    for biased, bias in [*params.logit_bias.items(), *((eog, NEG_INF) for eog in banned)]:
+        if 0 <= biased < len(logits):
+            edited[biased] = edited.get(biased, logits[biased]) + bias
+    if params.penalised and params.repeat_last_n != 0:
+        window = history if params.repeat_last_n < 0 else history[-params.repeat_last_n:]
+        for seen, count in collections.Counter(window).items():
+            if not 0 <= seen < len(logits):
+                continue
+            value = edited.get(seen, logits[seen])
+            value = value * params.repeat_penalty if value <= 0 else value / params.repeat_penalty
+            edited[seen] = value - count * params.frequency_penalty - params.presence_penalty
+    peak = max(max(logits), *edited.values()) if edited else max(logits)
+    floor = peak - LOGPROB_WINDOW * max(1.0, params.temperature)
+    candidates = {i: value for i, value in enumerate(logits) if value >= floor}
+    for i, value in edited.items():
+        if value >= floor:
+            candidates[i] = value
+        else:
+            candidates.pop(i, None)
+    ranked = sorted(candidates.items(), key=lambda item: -item[1])  # llama.cpp's order: best first
+    if params.top_k > 0:
+        ranked = ranked[:params.top_k]
+    if params.top_p < 1.0:
+        weights = [math.exp(value - ranked[0][1]) for _, value in ranked]
+        total, kept = sum(weights), 0.0
+        for index, weight in enumerate(weights):
+            kept += weight / total
+            if kept >= params.top_p:
+                ranked = ranked[:index + 1]
+                break
+    if params.min_p > 0.0:
+        least = ranked[0][1] + math.log(params.min_p)
+        ranked = [item for item in ranked if item[1] >= least] or ranked[:1]
+    scaled = [(i, value / params.temperature) for i, value in ranked]
+    norm = scaled[0][1] + math.log(sum(math.exp(value - scaled[0][1]) for _, value in scaled))
+    drawn = next((value for i, value in scaled if i == token),
+                 edited.get(token, logits[token]) / params.temperature)  # (left out: then nearly 0)
+    return drawn - norm, tuple((i, value - norm) for i, value in scaled[:top])

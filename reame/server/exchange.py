@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from reame.conclave import Ballot, attempts
-from reame.engine import FinishEvent, GenerationRequest, SamplingParams, TokenEvent, Usage
+from reame.engine import FinishEvent, GenerationRequest, ProgressEvent, SamplingParams, TokenEvent, Usage
 from reame.engine.request import FINISH_ERROR
 from reame.engine.textstream import TextStream
 from reame.errors import EngineUnavailable
@@ -68,6 +68,7 @@ class Options:
     seed: int | None = None
     echo: bool = False
     logprobs: int | None = None
+    post_sampling: bool = False  # the logprobs under the request's sampler chain (GenerationRequest.post_sampling)
 
     @property
     def per_prompt(self) -> int:
@@ -97,6 +98,7 @@ class Asked:
     cacheable: bool = True
     warm: bool = False
     cache_reuse: int = 0  # GenerationRequest.cache_reuse
+    progress: bool = False  # GenerationRequest.progress: each prompt's prefill said as it goes (Said.progress)
 
 
 @dataclass
@@ -149,6 +151,8 @@ def question_embedding(app: Host, model: ServedModel, gone: Gone) -> Callable[[s
     backend = loaded(model).backend
 
     def served(text: str) -> list[float] | None:
+        if not backend.embeddings_pooled:  # a vector per token: no question's meaning (not looked up)
+            return None
         tokens = backend.tokenize(text, add_special=True, parse_special=False)
         vectors = embedded(app, model, [tokens[:backend.embedding_context_tokens]], gone)
         return None if vectors is None else vectors[0]
@@ -230,7 +234,8 @@ class AnswerTap:
         self.keep = keep
         self.pieces: list[str] = []
 
-    def get(self, block: bool = True, timeout: float | None = None) -> tuple[int, TokenEvent | FinishEvent]:
+    def get(self, block: bool = True,
+            timeout: float | None = None) -> tuple[int, TokenEvent | FinishEvent | ProgressEvent]:
         tag, event = self.events.get(block, timeout)
         self.pieces.append(event.text)  # a finish carries the text held back until the end
         if isinstance(event, FinishEvent):
@@ -251,7 +256,7 @@ class EngineGone:
 
 
 def events(app: Host, model: ServedModel, submitted: Submitted,
-           gone: Gone) -> Iterator[tuple[int, TokenEvent | FinishEvent] | EngineGone]:
+           gone: Gone) -> Iterator[tuple[int, TokenEvent | FinishEvent | ProgressEvent] | EngineGone]:
     """Every handle's events, tagged, as they arrive, until each has ended. Every POLL_S on the clock, events
     or not, the client is checked: once it is `gone`, every handle is cancelled and the iteration ends early
     (the caller sees handles without their end). An engine that died ends it with one EngineGone. A token is
@@ -322,13 +327,15 @@ def embedded(app: Host, model: ServedModel, inputs: list[list[int]], gone: Gone)
 
 @dataclass
 class Said:
-    """A piece of choice `tag`'s answer: its text, its thinking, a finished tool call, or (last) its end."""
+    """A piece of choice `tag`'s answer: its text, its thinking, a finished tool call, its prompt's progress, or
+    (last) its end."""
 
     tag: int = 0
     text: str = ""
     thinking: str = ""  # a thinking model's text between <think> and </think>
     call: ToolCall | None = None
     finish: FinishEvent | None = None
+    progress: ProgressEvent | None = None  # how far its prompt's prefill is (Asked.progress)
 
 
 def said(app: Host, model: ServedModel, submitted: Submitted, choices: list[Choice],
@@ -342,6 +349,9 @@ def said(app: Host, model: ServedModel, submitted: Submitted, choices: list[Choi
             yield item
             return
         tag, event = item
+        if isinstance(event, ProgressEvent):
+            yield Said(tag, progress=event)
+            continue
         choice, final = choices[tag], isinstance(event, FinishEvent)
         thinking, text = choice.split(event.text, final)
         if thinking:
@@ -381,9 +391,10 @@ def begin(app: Host, model: ServedModel, asked: Asked, gone: Gone) -> Exchange:
     """Submit every generation `asked` needs, through the answer caches where it may be answered from them;
     the exchange that follows them. RequestError, OverloadedError as the engine raises them."""
     options = asked.options
-    requests = [GenerationRequest(prompt, params, logprobs=options.logprobs, session=asked.session,
+    requests = [GenerationRequest(prompt, params, logprobs=options.logprobs, post_sampling=options.post_sampling,
+                                  session=asked.session,
                                   suffix=asked.suffix, streamed=asked.streamed, warm=asked.warm,
-                                  cache_reuse=asked.cache_reuse)
+                                  cache_reuse=asked.cache_reuse, progress=asked.progress)
                 for index, prompt in enumerate(asked.prompts)
                 for params in attempt_params(asked.params, options, index)]
     # One deterministic answer (greedy, or an explicit seed) may have been kept.
@@ -434,6 +445,14 @@ class Exchange:
     def marks(self) -> dict[str, Any]:
         """Where a kept answer came from (the answer's `reame` object; empty: nothing to say)."""
         return self.submitted.marks
+
+    def cached_tokens(self, usage: Usage) -> int:
+        """Of a choice's prompt tokens, those it found computed: all of them for a kept answer."""
+        return usage.prompt_tokens if self.cached else usage.cached_tokens
+
+    def prompt_text(self, tag: int) -> str:
+        """Choice `tag`'s prompt as the model read it (its tokens' text, special tokens included)."""
+        return loaded(self.model).backend.detokenize(self.submitted.handles[tag].prompt_tokens)
 
     def cancel(self) -> None:
         """Stop generating for a client that went away."""

@@ -43,15 +43,18 @@ def is_loopback(host: str) -> bool:
 
 def allowed_hosts(bind_host: str, configured: Iterable[str]) -> frozenset[str] | None:
     """The Host names this server answers to; None = any. Configured names win (`*` = any); a server bound to
-    loopback answers to loopback names only (the DNS-rebinding hole); one bound elsewhere with no names
-    configured answers to any, its API keys being what protects it."""
+    loopback addresses only (`bind_host` lists them, comma-separated) answers to loopback names only (the
+    DNS-rebinding hole); one bound elsewhere with no names configured answers to any, its API keys being what
+    protects it."""
     names = frozenset(host_name(name) for name in configured if name.strip())
+    bound = [host_name(host) for host in bind_host.split(",") if host.strip()]
+    loopback = {host for host in bound if is_loopback(host)}
     if "*" in names:
         return None
     if names:
-        return names | ({host_name(bind_host)} if is_loopback(bind_host) else set())
-    if is_loopback(bind_host):
-        return LOOPBACK_NAMES | {host_name(bind_host)}
+        return names | loopback
+    if bound and len(loopback) == len(bound):
+        return LOOPBACK_NAMES | loopback
     return None
 
 

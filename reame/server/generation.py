@@ -16,6 +16,7 @@ from reame.server.exchange import Asked, EngineGone, Exchange, Said
 from reame.server.models import ServedModel, loaded
 from reame.server.service import Service, as_http_error, failure
 from reame.server.shapes import Response
+from reame.server.telemetry import Telemetry, final_timings
 from reame.server.validation import (MAX_CHOICES, Fields, answer_cache_allowed, semantic_cache_allowed,
                                      stream_usage)
 
@@ -31,6 +32,8 @@ def generate(app: Service, handler: Asker, fields: Fields, model: ServedModel, a
                         f"this one asks {generations}", param="n", code="invalid_value")
     stream = fields.boolean("stream", False)
     include_usage = stream_usage(fields)
+    telemetry = Telemetry.asked(fields)
+    verbose = fields.boolean("verbose", False)
     seed = fields.integer("seed", None, 0, 2**32 - 2)
     if options.elect_among > 1 and stream:
         raise HttpError(400, "best_of answers are elected once every attempt has ended: they cannot be "
@@ -50,12 +53,13 @@ def generate(app: Service, handler: Asker, fields: Fields, model: ServedModel, a
         asked = dataclasses.replace(
             asked, options=dataclasses.replace(options, n=n, seed=seed), streamed=stream,
             session=reserved[1] if reserved else None, cacheable=answer_cache_allowed(fields),
+            progress=stream and telemetry.watches_prefill,
             question=asked.question if semantic_cache_allowed(fields) else None)
         exchange = turn.start(app, handler, model, asked, "messages" if asked.chat else "prompt")
         response = Response(asked.chat, model.name,
                             loaded(model).backend.token_piece if options.logprobs is not None else None,
                             per_prompt=asked.options.per_prompt)
-        answer = Answer(exchange, handler, response, release_session)
+        answer = Answer(exchange, handler, response, release_session, telemetry, verbose)
         if stream:
             stream_answer(answer, include_usage)
         else:
@@ -73,6 +77,8 @@ class Answer:
     client: Client
     response: Response
     finished: Callable[[], None]
+    telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
+    verbose: bool = False  # llama-server's `verbose`: the whole answer carries `__verbose` (its prompt, as read)
 
     def said(self) -> Iterator[Said | EngineGone]:
         return self.exchange.said()
@@ -104,11 +110,32 @@ def collect_answer(answer: Answer) -> None:
         exchange.app.metrics.add("reame_conclave_elections_total", len(verdicts))
     elif exchange.marks:
         body["reame"] = exchange.marks
+    if answer.verbose:
+        body["__verbose"] = verbose_record(exchange)
     answer.client.send(Whole(200, body))
 
 
+def verbose_record(exchange: Exchange) -> dict[str, Any]:
+    """llama-server's `__verbose` object of a whole answer (its first choice): the prompt as the model read it
+    (special tokens included), what it said, and its counts and timings, for debugging a template."""
+    choice = exchange.choices[0]
+    assert choice.finish is not None
+    usage = choice.finish.usage
+    cached = exchange.cached_tokens(usage)
+    return {"prompt": exchange.prompt_text(0), "content": choice.text, "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens, "tokens_cached": cached,
+            "timings": final_timings(usage, cached)}
+
+
+def timed(chunk: dict[str, Any], timings: dict[str, Any] | None) -> dict[str, Any]:
+    """A stream chunk with llama-server's `timings` so far, when the request asked for them on every piece."""
+    if timings is not None:
+        chunk["timings"] = timings
+    return chunk
+
+
 def stream_answer(answer: Answer, include_usage: bool) -> None:
-    client, response, exchange = answer.client, answer.response, answer.exchange
+    client, response, exchange, telemetry = answer.client, answer.response, answer.exchange, answer.telemetry
     choices = exchange.choices
     client.send(Opening())
     try:
@@ -122,10 +149,17 @@ def stream_answer(answer: Answer, include_usage: bool) -> None:
                 client.send(Event(as_http_error(item.error).body()))
                 return
             tag, choice = item.tag, choices[item.tag]
-            if item.thinking:
+            if item.progress is not None:
+                shaped = telemetry.progressed(tag, item.progress)
+                if shaped is not None:
+                    client.send(Event(timed(response.progress_chunk(tag, shaped), telemetry.running(tag))))
+            elif item.thinking:
                 client.send(Event(response.reasoning_chunk(tag, item.thinking)))
-            elif item.text and choice.tokens:  # held-back tokens' logprobs ride along with the next text
-                client.send(Event(response.chunk(tag, item.text, tokens=choice.tokens)))
+            elif item.text and (choice.tokens or telemetry.per_token):
+                # held-back tokens' logprobs ride along with the next text
+                telemetry.decoded(tag, len(choice.ids))
+                client.send(Event(timed(response.chunk(tag, item.text, tokens=choice.tokens),
+                                        telemetry.running(tag))))
                 choice.tokens = []
             elif item.text:
                 client.send(Event(response.text_chunk(tag, item.text)))
@@ -141,7 +175,11 @@ def stream_answer(answer: Answer, include_usage: bool) -> None:
         if remaining:
             return  # the client left
         if include_usage:
-            client.send(Event(response.usage_chunk(choices, exchange.prompt_tokens)))
+            usage = response.usage_chunk(choices, exchange.prompt_tokens)
+            finish = choices[0].finish
+            if finish is not None:  # llama-server's last chunk says the first choice's timings
+                usage["timings"] = final_timings(finish.usage, exchange.cached_tokens(finish.usage))
+            client.send(Event(usage))
         client.send(Event("[DONE]"))
     except OSError:  # the client went away: stop generating for it
         exchange.cancel()

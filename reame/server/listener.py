@@ -1,7 +1,8 @@
-"""The listening server: one thread per connection, at most `max_connections` open (past it the longest idle
-keep-alive connection is closed to make room, or the newcomer gets a 503), `max_requests` request slots the
-handlers take (http.py), and a graceful drain on shutdown. It owns the set of open connections and whether
-each waits idle for its next request; handlers tell it (`idle`, `busy`)."""
+"""The listening server, on one address or several (`server.host` lists them, comma-separated, as
+llama-server's --host does; IPv6 ones too): one thread per connection, at most `max_connections` open (past it
+the longest idle keep-alive connection is closed to make room, or the newcomer gets a 503), `max_requests`
+request slots the handlers take (http.py), and a graceful drain on shutdown. It owns the set of open
+connections and whether each waits idle for its next request; handlers tell it (`idle`, `busy`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,30 @@ EVICTABLE_AFTER_S = 0.5
 MAX_REFUSING = 32  # refused connections answered (503, lingering close) at once; past it they are just closed
 
 
+def listen_addresses(host: str) -> list[str]:
+    """The addresses `server.host` lists (comma-separated; an IPv6 one with or without its brackets)."""
+    hosts = [item.strip().removeprefix("[").removesuffix("]") for item in host.split(",") if item.strip()]
+    return hosts or ["127.0.0.1"]
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    listening = socket.socket(address_family(host), socket.SOCK_STREAM)
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if listening.family == socket.AF_INET6:  # this address only: another entry may list the IPv4 one
+            listening.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        listening.bind((host, port))
+        listening.listen(backlog)
+    except OSError:
+        listening.close()
+        raise
+    return listening
+
+
 class ReameHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -40,7 +65,46 @@ class ReameHTTPServer(ThreadingHTTPServer):
         self._connections: dict[socket.socket, float | None] = {}
         self._busy = 0
         self.stopping = False
-        super().__init__((settings.host, settings.port), Handler)
+        first, *more = listen_addresses(settings.host)
+        self.address_family = address_family(first)
+        super().__init__((first, settings.port), Handler)
+        # The other addresses listen on the first's port (its own, when port 0 picked one), each accepted on a
+        # thread of its own into the same connection accounting.
+        self.more_sockets: list[socket.socket] = []
+        try:
+            for host in more:
+                self.more_sockets.append(listening_socket(host, self.server_address[1], self.request_queue_size))
+        except OSError:
+            self.server_close()
+            raise
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        for listening in self.more_sockets:
+            threading.Thread(target=self._accept, args=(listening,), name="reame-http-more", daemon=True).start()
+        super().serve_forever(poll_interval)
+
+    def _accept(self, listening: socket.socket) -> None:
+        """Accept connections on one more address until it is closed (shutdown)."""
+        while True:
+            try:
+                request, address = listening.accept()
+            except OSError:
+                return
+            try:
+                self.process_request(request, address)
+            except Exception:
+                self.handle_error(request, address)
+                self.shutdown_request(request)
+
+    def shutdown(self) -> None:
+        """Stop accepting, on every address."""
+        for listening in self.more_sockets:
+            try:  # wakes its accept()
+                listening.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listening.close()
+        super().shutdown()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:

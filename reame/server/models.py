@@ -65,6 +65,8 @@ class ServedModel:
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic; None: never (pinned, or a keep-alive of FOREVER)
     draining: bool = False  # another model waits for its room: no new requests until it is unloaded
+    given_names: tuple[str, ...] = ()  # the names its configuration gave it (llama-server's `aliases`)
+    tags: tuple[str, ...] = ()  # what /v1/models lists as its `tags` (llama-server's --tags)
 
     def answers_to(self, requested: str) -> bool:
         """Whether a request's `model` names this one: its name, an alias, or either with Ollama's `:latest`."""

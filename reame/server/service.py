@@ -139,10 +139,12 @@ class Service:
         return vectors
 
     def model_card(self, model: ServedModel) -> dict[str, Any]:
-        """A model as /v1/models lists it: OpenAI's fields, then Reame's (loaded or not, its aliases, context
-        length, file size and quantization)."""
+        """A model as /v1/models lists it: OpenAI's fields, llama-server's (the names and tags its configuration
+        gave it), then Reame's (loaded or not, every name it answers to, context length, file size and
+        quantization)."""
         facts = model.facts
         return {"id": model.name, "object": "model", "created": self.created, "owned_by": "reame",
+                "aliases": list(model.given_names), "tags": list(model.tags),
                 "reame": {"loaded": model.state == "loaded", "aliases": list(model.aliases),
                           "context_length": model.context_length(),
                           "size_bytes": facts.size_bytes, "quantization": facts.quantization,

@@ -4,6 +4,7 @@ Ollama's answers share)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -50,14 +51,24 @@ class Choice:
         return "tool_calls" if self.calls else finish_reason(self.finish)
 
 
-def logprob_entries(token_piece: Callable[[int], bytes], tokens: list[TokenEvent],
-                    ids: bool = False) -> list[dict[str, Any]]:
+def logprob_entries(token_piece: Callable[[int], bytes], tokens: list[TokenEvent], ids: bool = False,
+                    probabilities: bool = False) -> list[dict[str, Any]]:
     """Each token as OpenAI's chat answers and Ollama's give its logprob: its text, logprob and bytes, and
-    its most likely alternatives likewise; with `ids`, each with its token id too (llama-server's)."""
+    its most likely alternatives likewise; with `ids`, each with its token id too (llama-server's); with
+    `probabilities`, each as a `prob` with its `top_probs` (llama-server's post-sampling shape: those of
+    probability 0 left out)."""
     def entry(token: int, logprob: float | None) -> dict[str, Any]:
         raw = token_piece(token)
-        shaped = {"id": token} if ids else {}
-        return {**shaped, "token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        shaped: dict[str, Any] = {"id": token} if ids else {}
+        shaped.update(token=raw.decode("utf-8", "replace"), bytes=list(raw))
+        if probabilities:
+            shaped["prob"] = math.exp(logprob) if logprob is not None else None
+        else:
+            shaped["logprob"] = logprob
+        return shaped
+    if probabilities:
+        return [dict(entry(event.token, event.logprob),
+                     top_probs=[entry(t, lp) for t, lp in event.top if math.exp(lp) > 0.0]) for event in tokens]
     return [dict(entry(event.token, event.logprob), top_logprobs=[entry(t, lp) for t, lp in event.top])
             for event in tokens]
 
@@ -117,7 +128,8 @@ class Response:
 
     def first_chunk(self, index: int, echo: str) -> dict[str, Any] | None:
         if self.chat:
-            delta = {"role": "assistant", "content": ""}
+            # content null, as llama-server's and OpenAI's own tool-call chunks carry it: a role, no text yet.
+            delta = {"role": "assistant", "content": None}
             return self._envelope("chat.completion.chunk", [
                 {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
         return self.chunk(index, echo) if echo else None
@@ -131,6 +143,19 @@ class Response:
             return self._envelope("chat.completion.chunk", [item])
         item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("text_completion", [item])
+
+    def progress_chunk(self, index: int, progress: dict[str, Any]) -> dict[str, Any]:
+        """A stream chunk saying how far the prompt's prefill is (llama-server's `prompt_progress`): a chat's
+        carries the role, as llama-server's does, and no text yet."""
+        if self.chat:
+            chunk = self._envelope("chat.completion.chunk", [
+                {"index": index, "delta": {"role": "assistant", "content": None}, "logprobs": None,
+                 "finish_reason": None}])
+        else:
+            chunk = self._envelope("text_completion", [
+                {"index": index, "text": "", "logprobs": None, "finish_reason": None}])
+        chunk["prompt_progress"] = progress
+        return chunk
 
     def reasoning_chunk(self, index: int, text: str) -> dict[str, Any]:
         """A chat stream chunk carrying thinking, as `reasoning_content` (the field OpenAI-compatible servers

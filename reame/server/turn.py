@@ -21,13 +21,48 @@ CACHE_HEADER = "X-Reame-Cache"  # where the answer came from (exchange.CACHE_ st
 
 
 def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: ToolRequest | None,
-                enable_thinking: bool | None = None) -> str:
+                enable_thinking: bool | None = None, continued: bool = False) -> str:
     """A chat turn's prompt: the model's template over `messages` (tools laid out by the template, or described
-    in a message of Reame's when it has no place for them), then the start of a forced tool call."""
+    in a message of Reame's when it has no place for them), then the start of a forced tool call. `continued`
+    (see `continues_final`): the last message is an assistant's answer begun, which the model goes on with:
+    the template over the others, then its text."""
+    begun = ""
+    if continued:
+        if tools is not None and tools.forced is not None:
+            raise HttpError(400, "a forced tool call cannot continue an assistant message: drop the last message "
+                            "or the tool_choice", param="messages", code="invalid_value")
+        begun, messages = messages[-1]["content"], messages[:-1]
     in_template = engine.backend.template_supports_tools
     prompt = engine.chat_prompt(template_messages(messages, tools, in_template),
                                 tools.tools if tools and in_template else None, enable_thinking)
-    return prompt + (tools.prefill if tools is not None else "")
+    return prompt + begun + (tools.prefill if tools is not None else "")
+
+
+def continues_final(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: Any = None) -> bool:
+    """Whether a chat's last message, an assistant's, is continued rather than answered, as llama-server
+    decides it (and vLLM's `continue_final_message`, Anthropic's prefill): asked with `continue_final_message`
+    (true, or "content"), else whenever the last message is an assistant's. 400 for what llama-server refuses:
+    two assistant messages at the end, `add_generation_prompt` beside a continuation, a continued message with
+    tool calls, a continuation asked with no assistant message last."""
+    last = messages[-1] if messages else {}
+    asked = continue_final_message is True or continue_final_message == "content"
+    if continue_final_message not in (None, False, True, "content"):
+        raise HttpError(400, "'continue_final_message' must be a boolean or \"content\"",
+                        param="continue_final_message", code="invalid_value")
+    if not asked and last.get("role") == "assistant":
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the list.",
+                            param="messages", code="invalid_value")
+        return not last.get("tool_calls")
+    if asked:
+        if add_generation_prompt:
+            raise HttpError(400, "Cannot set both add_generation_prompt and continue_final_message to true.",
+                            param="continue_final_message", code="invalid_value")
+        if last.get("role") != "assistant" or last.get("tool_calls"):
+            raise HttpError(400, "continue_final_message continues a last assistant message without tool calls",
+                            param="continue_final_message", code="invalid_value")
+    return asked
 
 
 def answer_grammar(tools: ToolRequest | None, requested: str | None, field: str) -> str | None:

@@ -238,9 +238,10 @@ class FakeBackend:
     sliding_window = 0
 
     def __init__(self, n_ctx: int = 512, n_seq_max: int = 1, n_batch: int = 64, rule: Rule = default_rule,
-                 template_tools: bool = True, template: str | None = None) -> None:
+                 template_tools: bool = True, template: str | None = None, pooled_embeddings: bool = True) -> None:
         """`template_tools`: whether the chat template lays tools out itself (False: a template
-        that knows nothing of tools, like SmolLM2's); `template`: another chat template's source."""
+        that knows nothing of tools, like SmolLM2's); `template`: another chat template's source;
+        `pooled_embeddings` False: a vector per token, as with pooling "none"."""
         self.n_vocab = N_VOCAB
         self.n_ctx = n_ctx
         self.n_ctx_seq = n_ctx
@@ -256,6 +257,7 @@ class FakeBackend:
         self.n_embd = EMBEDDING_SIZE
         self.embedding_context_tokens = n_ctx
         self.embedding_batch = 4
+        self.embeddings_pooled = pooled_embeddings
         self.embed_calls: list[int] = []  # inputs per embed() call
         source = template or (CHAT_TEMPLATE if template_tools else CHAT_TEMPLATE.replace("tools", "none_of_them"))
         self._template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
@@ -351,7 +353,11 @@ class FakeBackend:
             for token in tokens:
                 vector[token % EMBEDDING_SIZE] += 1.0
                 vector[(token * 7 + 3) % EMBEDDING_SIZE] += 0.5
-            vectors.append(vector)
+                if not self.embeddings_pooled:  # each token's own vector
+                    vectors.append(vector)
+                    vector = [0.0] * EMBEDDING_SIZE
+            if self.embeddings_pooled:
+                vectors.append(vector)
         return vectors
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],

@@ -35,3 +35,29 @@ def test_builtin_mode_keeps_llama_cpps_detection(native_libraries, smollm2_path)
     # llama.cpp's ChatML drops the default system prompt SmolLM2's own template adds.
     assert rendered == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     assert rendered != case["expected"]
+
+
+def test_a_format_named_replaces_the_models_template_as_llama_servers_chat_template_flag(native_libraries,
+                                                                                        smollm2_path):
+    messages = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Hi there"}]
+    with LlamaBackend(settings_for(smollm2_path, n_ctx=512, n_seq_max=1, chat_template="command-r")) as backend:
+        # llama.cpp's own test of the format (tools/server/tests: test_apply_chat_template), word for word.
+        assert backend.apply_chat_template(messages, True) == (
+            "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are a test.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|>"
+            "<|USER_TOKEN|>Hi there<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+    with LlamaBackend(settings_for(smollm2_path, n_ctx=512, n_seq_max=1, chat_template="llama3")) as backend:
+        assert backend.apply_chat_template(messages[1:], True) == ("<|start_header_id|>user<|end_header_id|>\n\n"
+                                                                   "Hi there<|eot_id|><|start_header_id|>assistant"
+                                                                   "<|end_header_id|>\n\n")
+
+
+def test_the_formats_a_request_may_name_are_the_librarys(native_libraries):
+    import ctypes
+
+    from reame.config import LLAMA_CHAT_TEMPLATES
+    from reame.ctypes_llama import api
+    from reame.model.library import init_native
+    init_native()
+    names = (ctypes.c_char_p * 256)()
+    count = api.llama_chat_builtin_templates(names, 256)
+    assert sorted(name.decode() for name in names[:count]) == sorted(LLAMA_CHAT_TEMPLATES)

@@ -311,3 +311,24 @@ def test_a_row_by_row_decode_leaves_the_next_embedding_and_plain_decode_as_they_
     backend.decode(prompt[-4:], list(range(n, n + 4)), [0] * 4, [True] * 4, rowwise=True)  # the flag left on
     assert backend.embed([text])[0] == before
     backend.seq_rm(0)
+
+
+def test_pooling_none_gives_each_tokens_vector_whose_mean_is_the_mean_pooled_one(native_libraries, model_path):
+    import math
+
+    path = model_path("all-minilm-l6-v2")
+    texts = ["hello hello hello", "The cat sat on the mat."]
+    with LlamaBackend(settings_for(path, n_ctx=512, n_seq_max=1, embedding_pooling="none")) as per_token:
+        tokens = [per_token.tokenize(text) for text in texts]
+        vectors = per_token.embed(tokens)
+        assert not per_token.embeddings_pooled and len(tokens[0]) == 5  # [CLS] 3 words [SEP], as llama-server's test
+    with LlamaBackend(settings_for(path, n_ctx=512, n_seq_max=1, embedding_pooling="mean")) as pooled:
+        means = pooled.embed(tokens)
+    assert len(vectors) == sum(map(len, tokens)) and all(len(vector) == len(means[0]) for vector in vectors)
+    assert abs(math.fsum(value * value for value in vectors[0]) - 1) > 1e-3  # as computed, not unit length
+    start = 0
+    for token_ids, mean in zip(tokens, means):
+        rows = vectors[start:start + len(token_ids)]
+        start += len(token_ids)
+        averaged = [math.fsum(column) / len(rows) for column in zip(*rows)]
+        assert averaged == pytest.approx(mean, abs=1e-4)

@@ -98,6 +98,21 @@ def test_n_probs_give_each_token_its_alternatives_with_ids(app):
         assert 0 <= entry["id"] < N_VOCAB and entry["logprob"] <= 0
 
 
+def test_post_sampling_probs_are_the_chains_probabilities_in_llama_servers_shape(app):
+    record = whole(app, "/completion", {"prompt": "hello", "n_predict": 6, "n_probs": 3, "temperature": 1.0,
+                                        "top_k": 2, "seed": 7, "post_sampling_probs": True})
+    probs = record["completion_probabilities"]
+    assert len(probs) == record["tokens_predicted"]
+    for entry in probs:
+        assert set(entry) == {"id", "token", "bytes", "prob", "top_probs"}
+        survivors = {alternative["id"]: alternative["prob"] for alternative in entry["top_probs"]}
+        assert 1 <= len(survivors) <= 2 and sum(survivors.values()) == pytest.approx(1.0)  # top-k 2 left these
+        assert entry["prob"] == pytest.approx(survivors[entry["id"]]) and all(0 < p <= 1 for p in survivors.values())
+    greedy = whole(app, "/completion", {"prompt": "hello", **GREEDY, "n_probs": 3, "post_sampling_probs": True})
+    assert all(entry["prob"] == 1.0 and [top["id"] for top in entry["top_probs"]] == [entry["id"]]
+               for entry in greedy["completion_probabilities"])
+
+
 def test_a_stop_word_ends_with_its_name(app):
     content = whole(app, "/completion", {"prompt": "hello there", **GREEDY})["content"]
     word = content[3:5]
@@ -202,7 +217,7 @@ def test_infill_refusals_in_llama_servers_shape(app):
     ({"prompt": [[1, "a"], {}]}, "prompt"),
     ({"prompt": "x", "samplers": ["nope"]}, "samplers"),
     ({"prompt": "x", "n_probs": 21}, "n_probs"),
-    ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
+    ({"prompt": "x", "post_sampling_probs": True, "n_probs": 2, "grammar": "root ::= \"a\""}, "post_sampling_probs"),
     ({"prompt": "x", "grammar": "root ::= \"a\"", "json_schema": {}}, "grammar"),
     ({"prompt": "x", "response_fields": "content"}, "response_fields"),
     ({"prompt": "x", "n_predict": -2}, "n_predict"),

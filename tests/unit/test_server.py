@@ -296,12 +296,12 @@ def test_chat_stream_has_role_first_finish_last_and_usage(live):
     chunks = read_sse(live, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}})
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finals) == 1
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
-    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     status, whole = live.json("POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0})
     assert streamed == whole["choices"][0]["message"]["content"]

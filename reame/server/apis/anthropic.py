@@ -126,9 +126,12 @@ def thinking_switch(body: dict[str, Any], switchable: bool) -> bool | None:
 
 
 def prompt_of(engine: Engine, body: dict[str, Any]) -> tuple[str, ToolRequest | None]:
-    tools = tools_of(body)
-    return turn.chat_prompt(engine, conversation(body), tools,
-                            thinking_switch(body, engine.backend.template_thinks[1])), tools
+    """The prompt of a Messages request; a last assistant message is the answer's beginning (Anthropic's
+    prefill), which the model continues."""
+    tools, messages = tools_of(body), conversation(body)
+    prefilled = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    return turn.chat_prompt(engine, messages, tools, thinking_switch(body, engine.backend.template_thinks[1]),
+                            prefilled), tools
 
 
 def messages(app: Service, handler: Asker, _path: str) -> None:

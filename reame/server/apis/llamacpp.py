@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from reame.engine import FinishEvent
+from reame.engine import FinishEvent, ProgressEvent
 from reame.engine.prompt import infill
 from reame.engine.request import MAX_TOP_LOGPROBS
 from reame.errors import RequestError
@@ -29,6 +29,7 @@ from reame.server.prompts import is_token, llama_prompts
 from reame.server.routes import Route
 from reame.server.service import Service, as_http_error, failure
 from reame.server.shapes import logprob_entries
+from reame.server.telemetry import Telemetry, final_timings
 from reame.server.validation import MAX_CHOICES, Fields, requested_model
 from reame.structured.requested import requested_grammar
 
@@ -69,6 +70,8 @@ class Completion:
     texts: list[str] = field(default_factory=list)
     cut: set[int] = field(default_factory=set)  # choices ended by a limit (their engine generation cancelled)
     first_token_at: list[float] = field(default_factory=list)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+    post_sampling: bool = False  # the probabilities are post-sampling ones (llama-server's prob, top_probs)
 
 
 def completion(app: Service, handler: Asker, _path: str) -> None:
@@ -203,10 +206,9 @@ def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, pr
         raise HttpError(400, f"a request asks at most {MAX_CHOICES} completions in all (prompts × n_cmpl)",
                         param="n_cmpl")
     n_probs = fields.integer("n_probs", 0, 0, MAX_TOP_LOGPROBS)
-    if fields.boolean("post_sampling_probs", False):
-        raise HttpError(400, "post_sampling_probs is not supported: Reame reports the model's own logprobs",
-                        param="post_sampling_probs")
+    post_sampling = fields.boolean("post_sampling_probs", False)
     stream = fields.boolean("stream", False)
+    telemetry = Telemetry.asked(fields)
     params = sampling(fields, None if predict < 0 else max(predict, 1), loaded(served).backend,
                       app.settings.sampling)
     limits = Limits(fields.integer("n_indent", 0, 0, None), fields.number("t_max_predict_ms", 0.0, 0.0, math.inf))
@@ -218,12 +220,15 @@ def answer(app: Service, handler: Asker, served: ServedModel, fields: Fields, pr
     reuse = fields.integer("n_cache_reuse", app.settings.cache_reuse, 0, None) \
         if fields.boolean("cache_prompt", True) else 0
     # n_predict 0: the prompt is only evaluated into the cache (llama.vim warms its extra chunks so).
-    asked = Asked(prompts, params, Options(n=n_cmpl, seed=params.seed, logprobs=n_probs or None), chat=chat,
-                  streamed=stream, warm=predict == 0, cache_reuse=reuse)
+    asked = Asked(prompts, params, Options(n=n_cmpl, seed=params.seed, logprobs=n_probs or None,
+                                           post_sampling=post_sampling), chat=chat,
+                  streamed=stream, warm=predict == 0, cache_reuse=reuse,
+                  progress=stream and telemetry.watches_prefill)
     exchange = turn.start(app, handler, served, asked, "prompt")
     settings = generation_settings(params, predict, stream, n_probs, served.name)
     encoded = Completion(exchange, served.name, settings, limits, return_tokens or stream, n_probs,
-                         [""] * len(exchange.choices), first_token_at=[0.0] * len(exchange.choices))
+                         [""] * len(exchange.choices), first_token_at=[0.0] * len(exchange.choices),
+                         telemetry=telemetry, post_sampling=post_sampling)
     if stream:
         stream_records(handler, encoded)
         return
@@ -264,18 +269,23 @@ def picked(record: dict[str, Any], paths: list[str]) -> dict[str, Any]:
 Piece = tuple[int, str, list[int], list[dict[str, Any]], FinishEvent | None]
 
 
-def pieces(encoded: Completion) -> Iterator[Piece | EngineGone]:
+def pieces(encoded: Completion) -> Iterator[Piece | EngineGone | tuple[int, ProgressEvent]]:
     """The exchange's items for the records: (tag, text, ids, logprob entries, finish) as they come, with the
-    limits applied (a choice they end is cancelled, its text cut, its end a limit)."""
+    limits applied (a choice they end is cancelled, its text cut, its end a limit); (tag, progress) as a
+    prompt's prefill goes, when the request asked (Telemetry)."""
     exchange = encoded.exchange
     token_piece = loaded(exchange.model).backend.token_piece
     for item in exchange.said():
         if isinstance(item, EngineGone):
             yield item
             return
+        if item.progress is not None:
+            yield item.tag, item.progress
+            continue
         tag, choice = item.tag, exchange.choices[item.tag]
         ids, choice.ids = choice.ids, []
-        probs = logprob_entries(token_piece, choice.tokens, ids=True) if choice.tokens else []
+        probs = logprob_entries(token_piece, choice.tokens, ids=True,
+                                probabilities=encoded.post_sampling) if choice.tokens else []
         choice.tokens = []
         if item.finish is not None:
             yield tag, "", ids, probs, item.finish
@@ -326,42 +336,18 @@ def final_record(encoded: Completion, tag: int, finish: FinishEvent, ids: list[i
     exchange, usage = encoded.exchange, finish.usage
     limited_stop = tag in encoded.cut or finish.reason == "length" or encoded.settings["n_predict"] == 0
     stop_type = "limit" if limited_stop else ("word" if finish.stop_sequence else "eos")
-    cached = usage.prompt_tokens if exchange.cached else usage.cached_tokens
+    cached = exchange.cached_tokens(usage)
     record: dict[str, Any] = {
         "index": tag, "content": encoded.texts[tag], "tokens": ids if encoded.return_tokens else [],
         "id_slot": -1, "stop": True, "model": encoded.model, "tokens_predicted": usage.completion_tokens,
         "tokens_evaluated": usage.prompt_tokens, "generation_settings": encoded.settings,
-        "prompt": prompt_text(exchange, tag), "has_new_line": "\n" in encoded.texts[tag],
+        "prompt": exchange.prompt_text(tag), "has_new_line": "\n" in encoded.texts[tag],
         "truncated": finish.reason == "length" and bool(finish.message), "stop_type": stop_type,
         "stopping_word": finish.stop_sequence, "tokens_cached": cached,
-        "timings": timings(usage.prompt_tokens - cached, cached, usage.prompt_seconds, usage.completion_tokens,
-                           usage.decode_seconds, usage.draft_tokens, usage.accepted_draft_tokens)}
+        "timings": final_timings(usage, cached)}
     if probs:
         record["completion_probabilities"] = probs
     return record
-
-
-def prompt_text(exchange: Exchange, tag: int) -> str:
-    handle = exchange.submitted.handles[tag]
-    return loaded(exchange.model).backend.detokenize(handle.prompt_tokens)
-
-
-def timings(prompt_n: int, cache_n: int, prompt_s: float, predicted_n: int, predicted_s: float, drafted: int,
-            accepted: int) -> dict[str, Any]:
-    """llama-server's `timings` object."""
-    prompt_ms, predicted_ms = prompt_s * 1000, predicted_s * 1000
-    shaped: dict[str, Any] = {
-        "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-        "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-        # The first token comes out of the prompt's last batch: the rate is over the decode steps after it.
-        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / (predicted_n - 1) if predicted_n > 1 else 0.0,
-        "predicted_per_second": 1000 * (predicted_n - 1) / predicted_ms if predicted_n > 1 and predicted_ms > 0
-        else 0.0}
-    if drafted:
-        shaped["draft_n"], shaped["draft_n_accepted"] = drafted, accepted
-    return shaped
 
 
 def whole_records(encoded: Completion) -> list[dict[str, Any]] | None:
@@ -372,6 +358,8 @@ def whole_records(encoded: Completion) -> list[dict[str, Any]] | None:
     for item in pieces(encoded):
         if isinstance(item, EngineGone):
             raise as_http_error(item.error)
+        if len(item) == 2:
+            continue  # a prompt's progress: only streamed
         tag, _, new_ids, new_probs, finish = item
         ids[tag] += new_ids
         probs[tag] += new_probs
@@ -400,6 +388,12 @@ def stream_records(handler: Asker, encoded: Completion) -> None:
             if isinstance(item, EngineGone):
                 handler.send(Event(error_body(as_http_error(item.error))))
                 return
+            usage_prompt = len(encoded.exchange.submitted.handles[item[0]].prompt_tokens)
+            if len(item) == 2:
+                record = progress_record(encoded.telemetry, *item, usage_prompt)
+                if record is not None:
+                    handler.send(Event(record))
+                continue
             tag, text, ids, probs, finish = item
             if finish is not None:
                 failed = failure_of(encoded, tag, finish)
@@ -411,14 +405,37 @@ def stream_records(handler: Asker, encoded: Completion) -> None:
                 handler.send(Event(record))
                 continue
             counts[tag] += len(ids)
-            usage_prompt = len(encoded.exchange.submitted.handles[tag].prompt_tokens)
-            partial: dict[str, Any] = {"index": tag, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
-                                       "tokens_predicted": counts[tag], "tokens_evaluated": usage_prompt}
+            encoded.telemetry.decoded(tag, counts[tag])
+            partial = partial_record(tag, text, ids, counts[tag], usage_prompt)
             if probs:
                 partial["completion_probabilities"] = probs
+            running = encoded.telemetry.running(tag)
+            if running is not None:
+                partial["timings"] = running
             handler.send(Event(partial))
     except OSError:  # the client went away: stop generating for it
         encoded.exchange.cancel()
+
+
+def partial_record(tag: int, text: str, ids: list[int], predicted: int, evaluated: int) -> dict[str, Any]:
+    """llama-server's streamed record of a piece of completion `tag` (`text`, its token `ids`)."""
+    return {"index": tag, "content": text, "tokens": ids, "stop": False, "id_slot": -1,
+            "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+
+
+def progress_record(telemetry: Telemetry, tag: int, progress: ProgressEvent,
+                    evaluated: int) -> dict[str, Any] | None:
+    """llama-server's streamed record of a prompt's progress: an empty piece with its `prompt_progress` (and
+    `timings`, asked for on every record); None when the request asked for no progress records."""
+    shaped = telemetry.progressed(tag, progress)
+    if shaped is None:
+        return None
+    record = partial_record(tag, "", [], 0, evaluated)
+    record["prompt_progress"] = shaped
+    running = telemetry.running(tag)
+    if running is not None:
+        record["timings"] = running
+    return record
 
 
 ROUTES = [Route("/completion", ("POST",), completion, error_body=error_body),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from reame.model.backend import Backend
 from reame.native import LLAMA_COMMIT
 from reame.server import turn
+from reame.server.apis import openai
 from reame.server.apis.llamacpp import error_body, generation_settings, sampling
 from reame.server.client import Asker, HttpError, Whole
 from reame.server.metrics import Sample
@@ -123,11 +124,14 @@ def slots(app: Service, handler: Asker, _path: str) -> None:
 
 
 def apply_template(app: Service, handler: Asker, _path: str) -> None:
-    """The chat template over `messages`, the assistant's turn opened: {"prompt": text}."""
+    """The chat template over `messages`, the assistant's turn opened (or a last assistant message continued,
+    as a chat completion would): {"prompt": text}."""
     fields = Fields(handler.read_json())
     engine = loaded(app.model(handler, requested_model(fields)))
     messages = chat_messages(fields.body.get("messages"))
-    handler.send(Whole(200, {"prompt": turn.chat_prompt(engine, messages, None)}))
+    continued = turn.continues_final(messages, fields.boolean("add_generation_prompt", True),
+                                     fields.body.get("continue_final_message"))
+    handler.send(Whole(200, {"prompt": turn.chat_prompt(engine, messages, None, continued=continued)}))
 
 
 def props(app: Service, handler: Asker, _path: str) -> None:
@@ -154,7 +158,26 @@ def props(app: Service, handler: Asker, _path: str) -> None:
         "eos_token": "", "build_info": f"reame (llama.cpp {LLAMA_COMMIT})", "is_sleeping": False}))
 
 
+def embeddings(app: Service, handler: Asker, path: str) -> None:
+    """llama-server's /embeddings. A model whose embeddings are pooled answers in OpenAI's shape, as
+    /v1/embeddings does (what a client whose base URL lacks /v1 reads); one with pooling "none" in
+    llama-server's: [{"index", "embedding": [a vector per token]}], as the model computed them."""
+    served, inputs, encoding = openai.embedding_request(app, handler)
+    if loaded(served).backend.embeddings_pooled:
+        openai.answer_embeddings(app, handler, served, inputs, encoding)
+        return
+    vectors = app.embeddings(handler.gone, served, inputs)
+    if vectors is None:
+        return
+    answer, start = [], 0
+    for index, tokens in enumerate(inputs):
+        answer.append({"index": index, "embedding": vectors[start:start + len(tokens)]})
+        start += len(tokens)
+    handler.send(Whole(200, answer))
+
+
 ROUTES = [Route("/tokenize", ("POST",), tokenize, error_body=error_body),
+          Route("/embeddings", ("POST",), embeddings),
           Route("/detokenize", ("POST",), detokenize, error_body=error_body),
           Route("/apply-template", ("POST",), apply_template, error_body=error_body),
           Route("/props", ("GET", "POST"), props, error_body=error_body),

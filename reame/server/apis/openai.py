@@ -18,7 +18,7 @@ from reame.server.client import Asker, HttpError, Whole
 from reame.server.routes import Route
 from reame.semantic import chat_question
 from reame.engine.embeddings import MAX_INPUTS
-from reame.server.models import loaded
+from reame.server.models import ServedModel, loaded
 from reame.server.prompts import llama_prompts
 from reame.server.service import Service, as_http_error
 from reame.server.validation import (Fields, best_of, chat_messages, completion_prompts,
@@ -82,6 +82,29 @@ def warm(app: Service, handler: Asker, _path: str) -> None:
 
 def embeddings(app: Service, handler: Asker, _path: str) -> None:
     """OpenAI's embeddings: one unit-length vector per input, from the model's embedding context."""
+    served, inputs, encoding = embedding_request(app, handler)
+    if not loaded(served).backend.embeddings_pooled:
+        raise HttpError(400, "Pooling type 'none' is not OpenAI-compatible: this model's embeddings are a vector "
+                        "per token, which llama-server's /embeddings gives", param="input", code="invalid_value")
+    answer_embeddings(app, handler, served, inputs, encoding)
+
+
+def answer_embeddings(app: Service, handler: Asker, served: ServedModel, inputs: list[list[int]],
+                      encoding: str) -> None:
+    """One vector per input, in OpenAI's shape."""
+    vectors = app.embeddings(handler.gone, served, inputs)
+    if vectors is None:
+        return
+    data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
+            for index, vector in enumerate(vectors)]
+    used = sum(len(tokens) for tokens in inputs)
+    handler.send(Whole(200, {"object": "list", "data": data, "model": served.name,
+                            "usage": {"prompt_tokens": used, "total_tokens": used}}))
+
+
+def embedding_request(app: Service, handler: Asker) -> tuple[ServedModel, list[list[int]], str]:
+    """An embeddings request's model, its inputs as tokens (llama-server's shapes, a superset of OpenAI's:
+    mixed ids and text, objects of text parts) and the encoding asked for."""
     fields = Fields(handler.read_json())
     served = app.model(handler, requested_model(fields))
     engine = loaded(served)
@@ -102,14 +125,7 @@ def embeddings(app: Service, handler: Asker, _path: str) -> None:
               for item in llama_prompts(fields.body.get("input"), tokenize, MAX_INPUTS, "input")]
     if any(not tokens for tokens in inputs):
         raise HttpError(400, "'input' holds a text of no tokens", param="input", code="invalid_value")
-    vectors = app.embeddings(handler.gone, served, inputs)
-    if vectors is None:
-        return
-    data = [{"object": "embedding", "index": index, "embedding": encode_vector(vector, encoding)}
-            for index, vector in enumerate(vectors)]
-    used = sum(len(tokens) for tokens in inputs)
-    handler.send(Whole(200, {"object": "list", "data": data, "model": served.name,
-                            "usage": {"prompt_tokens": used, "total_tokens": used}}))
+    return served, inputs, encoding
 
 
 def completions(app: Service, handler: Asker, _path: str) -> None:
@@ -151,9 +167,11 @@ def chat_completions(app: Service, handler: Asker, _path: str) -> None:
         max_tokens = fields.integer("max_tokens", None, 1, None)
     thinks, switchable = engine.backend.template_thinks
     enable_thinking = thinking_switch(fields) if switchable else None
+    continued = turn.continues_final(messages, fields.boolean("add_generation_prompt", True),
+                                     fields.body.get("continue_final_message"))
 
     def render(messages: list[dict[str, Any]]) -> str:
-        return turn.chat_prompt(engine, messages, tools, enable_thinking)
+        return turn.chat_prompt(engine, messages, tools, enable_thinking, continued)
     question = chat_question(messages, render) if served.semantic is not None else None
     params = dataclasses.replace(sampling_params(fields, max_tokens, None), grammar=grammar)
     generation.generate(app, handler, fields, served, Asked(

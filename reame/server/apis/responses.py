@@ -20,6 +20,7 @@ from reame.server.routes import Route
 from reame.server.exchange import Asked, Exchange
 from reame.server.models import loaded
 from reame.server.service import Service, failure
+from reame.server.telemetry import Telemetry, final_timings
 from reame.server.validation import Fields, chat_messages, requested_model, sampling_params
 from reame.structured.requested import requested_grammar
 from reame.structured.tools import ToolCall, ToolRequest, tool_request
@@ -152,10 +153,12 @@ def create(app: Service, handler: Asker, _path: str) -> None:
     prompt = turn.chat_prompt(engine, messages, tools, reasoning_switch(body) if switchable else None)
     params = sampling_params(fields, fields.integer("max_output_tokens", None, 1, None), None)
     stream = fields.boolean("stream", False)
+    telemetry = Telemetry.asked(fields)
     current = turn.start(app, handler, served, Asked([prompt], dataclasses.replace(params, grammar=grammar),
-                                                     streamed=stream, tools=tools, thinks=thinks), "input")
+                                                     streamed=stream, tools=tools, thinks=thinks,
+                                                     progress=stream and telemetry.watches_prefill), "input")
     reply = Reply(app, handler, body, model or served.name, current, messages,
-                  fields.boolean("store", True), previous)
+                  fields.boolean("store", True), previous, telemetry)
     if stream:
         reply.stream()
     else:
@@ -180,9 +183,11 @@ class Reply:
     """One response: its items as they come (streamed) and its whole object, stored when asked."""
 
     def __init__(self, app: Service, handler: Asker, body: dict[str, Any], model: str, current: Exchange,
-                 messages: list[dict[str, Any]], store: bool, previous: str | None) -> None:
+                 messages: list[dict[str, Any]], store: bool, previous: str | None,
+                 telemetry: Telemetry | None = None) -> None:
         self.app, self.handler, self.body, self.model, self.turn = app, handler, body, model, current
         self.messages, self.store, self.previous = messages, store, previous
+        self.telemetry = telemetry or Telemetry()  # llama-server's: progress and timings on the stream's events
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
@@ -194,7 +199,7 @@ class Reply:
         usage = None
         if finish is not None:
             prompt = self.turn.prompt_tokens
-            cached = prompt if self.turn.cached else finish.usage.cached_tokens
+            cached = self.turn.cached_tokens(finish.usage)
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                      "output_tokens": finish.usage.completion_tokens,
                      "output_tokens_details": {"reasoning_tokens": 0},
@@ -249,15 +254,21 @@ class Reply:
             self.send("response.created", response=self.envelope("in_progress", [], None))
             self.send("response.in_progress", response=self.envelope("in_progress", [], None))
             for said in turn.said(self.turn):
-                if said.text:
+                if said.progress is not None:
+                    shaped = self.telemetry.progressed(0, said.progress)
+                    if shaped is not None:
+                        self.send("response.in_progress", response=self.envelope("in_progress", [], None),
+                                  prompt_progress=shaped, **self.timings())
+                elif said.text:
                     if not text_open:
                         self.send("response.output_item.added", output_index=output_index,
                                   item=self.message_item("", "in_progress"))
                         self.send("response.content_part.added", item_id=self.message_id, output_index=output_index,
                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []})
                         text_open = True
+                    self.telemetry.decoded(0, len(self.turn.choice.ids))
                     self.send("response.output_text.delta", item_id=self.message_id, output_index=output_index,
-                              content_index=0, delta=said.text, logprobs=[])
+                              content_index=0, delta=said.text, logprobs=[], **self.timings())
                 elif said.call is not None:
                     if text_open:
                         self.close_text(output_index)
@@ -280,10 +291,16 @@ class Reply:
                     if text_open:
                         self.close_text(output_index)
                     response = self.finished(calls, said.finish)
+                    usage = said.finish.usage
                     self.send("response.completed" if response["status"] == "completed" else "response.incomplete",
-                              response=response)
+                              response=response, timings=final_timings(usage, self.turn.cached_tokens(usage)))
         except OSError:  # the client went away: stop generating for it
             self.turn.cancel()
+
+    def timings(self) -> dict[str, Any]:
+        """An event's llama-server `timings` so far, when the request asked for them on every event."""
+        running = self.telemetry.running(0)
+        return {} if running is None else {"timings": running}
 
     def close_text(self, output_index: int) -> None:
         text = self.turn.choice.text
