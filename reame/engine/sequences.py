@@ -48,7 +48,8 @@ log = logging.getLogger("reame.engine")
 # decodes it alone too, so it computes exactly what the first request did: llama.cpp's numerics for a
 # token alone differ from those of the same token in a larger batch, and a repeated prompt would
 # otherwise get another greedy answer. The price, one decode step, is under 12% of such a prefill here;
-# a short tail after a restored prefix is prefilled in one step, as a cold run of it would be.
+# a short tail after a restored prefix is prefilled in one step, as a cold run of it would be. (The
+# token also rides in the prompt's batch, its cell dropped after: plan_step says why.)
 SOLO_LAST_TOKEN_PREFILL = 64
 
 

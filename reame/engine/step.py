@@ -42,6 +42,7 @@ class PromptChunk:
     start: int
     take: int
     draft_room: int = 0
+    drop_last: bool = False  # the prompt's last token rides along, then its cell is dropped (see plan_step)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class StepPlan:
 
 
 def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chunk_tokens: int,
-              drafts_allowed: bool, exact_rows: int | None = None, rowwise: bool = False) -> StepPlan:
+              drafts_allowed: bool, exact_rows: int | None = None, rowwise: bool = False,
+              can_drop: bool = True) -> StepPlan:
     """The next decode's rows: each generating sequence's next token (with room for drafts, see
     `_draft_room`), then prompts (the chunk that ends one with room for drafts of its answer's first
     tokens, see `_answer_draft_room`), at most `prefill_chunk_tokens` per step while sequences
@@ -81,7 +83,15 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
     such an answer is the same whatever rows share its steps; `exact_rows` is then measured that way.
 
     Background sequences (a batch's lines) step aside while a foreground prompt is being prefilled: the step
-    carries only foreground rows, so a person's first token costs what it does on an idle server."""
+    carries only foreground rows, so a person's first token costs what it does on an idle server.
+
+    A prompt whose last token is decoded alone (Running.solo_last) is prefilled whole all the same, that token
+    with the rest, and the step after drops that token's cell and decodes it alone (`drop_last`): the KV of the
+    tokens before it is then what a batch of the whole prompt computes, as llama-server's first request of a
+    prompt computes it (ggml's kernels group a batch's rows, and the last rows' group depends on the batch's
+    size), so a repeat of the prompt on llama-server, which decodes the last token alone over that KV, answers
+    what Reame does. `can_drop` False (a memory that cannot cut a sequence's end): the last token is held back
+    from the batch instead."""
     if any(sequence.phase is Phase.PROMPT and sequence.n_fed < len(sequence.prompt)
            and not sequence.handle.request.background for sequence in running):
         running = [sequence for sequence in running if not sequence.handle.request.background]
@@ -97,12 +107,14 @@ def plan_step(running: list[Running], n_batch: int, n_ctx_seq: int, prefill_chun
         if sequence.phase is not Phase.PROMPT or sequence.n_fed >= len(sequence.prompt):
             continue
         end = len(sequence.prompt)
-        if sequence.solo_last and sequence.n_fed < end - 1:
-            end -= 1  # the last token goes alone, in a later step
         take = min(budget, end - sequence.n_fed)
         ends = sequence.n_fed + take == len(sequence.prompt)
+        drop_last = ends and sequence.solo_last and sequence.n_fed < end - 1
+        if drop_last and not can_drop:
+            take, ends, drop_last = take - 1, False, False
         chunks.append(PromptChunk(sequence, sequence.n_fed, take,
-                                  _answer_draft_room(sequence, n_ctx_seq) if drafts_allowed and ends else 0))
+                                  _answer_draft_room(sequence, n_ctx_seq) if drafts_allowed and ends and not drop_last
+                                  else 0, drop_last))
         budget -= take
     reproducible = any(decode.running.reproducible for decode in decodes) or \
         any(chunk.running.reproducible for chunk in chunks)
@@ -189,6 +201,7 @@ class StepOutcome:
     rowwise: bool = False  # the decode's rows were computed as one-row steps compute them
     drafted: int = 0
     fed: list[tuple[Running, int]] = field(default_factory=list)
+    dropped: list[Running] = field(default_factory=list)  # their prompt's last cell goes (PromptChunk.drop_last)
     draws: list[Draw] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
     clones: list[Running] = field(default_factory=list)
@@ -241,7 +254,8 @@ class Stepper:
         speculation = self.speculation
         return plan_step(self.sequences.running, self.backend.n_batch, self.backend.n_ctx_seq,
                          self.prefill_chunk_tokens, speculation is not None and not self.drafts_paused,
-                         None if speculation is None else speculation.exact_rows, self.rowwise)
+                         None if speculation is None else speculation.exact_rows, self.rowwise,
+                         self.backend.supports_rollback)
 
     def step(self) -> None:
         """Plan, execute, apply one decode (nothing when no sequence has a row to feed)."""
@@ -267,8 +281,12 @@ class Stepper:
             if take <= 0:
                 break
             room -= take
-            last = chunk.start + take == len(running.prompt) and not running.handle.request.warm
+            ends = chunk.start + take == len(running.prompt)
+            last = ends and not running.handle.request.warm and not chunk.drop_last
             batch.add(running.prompt[chunk.start:chunk.start + take], chunk.start, running.seq_id, False)
+            if ends and chunk.drop_last:
+                outcome.dropped.append(running)
+                take -= 1
             outcome.fed.append((running, take))
             if last:
                 batch.outputs[-1] = True
@@ -299,6 +317,8 @@ class Stepper:
         if status == DECODE_NO_KV_SLOT:
             outcome.kv_full = True
             return outcome
+        for running in outcome.dropped:  # decoded alone next, as a repeat of the prompt decodes it
+            kv.remove(running.seq_id, len(running.prompt) - 1)
         for running, take in outcome.fed:
             if running.n_fed + take == running.snapshot_at:
                 outcome.snapshots.append(Snapshot(tuple(running.prompt[:running.snapshot_at]),

@@ -13,7 +13,8 @@ PROMPT = "Read the document and answer: what is the total? " * 2
 
 
 def prompt_rows(backend: FakeBackend, length: int) -> int:
-    """Rows that fed prompt positions (every decode row below the prompt's length)."""
+    """Rows that fed prompt positions (every decode row below the prompt's length). A long prompt's last token is
+    fed twice: with the others, then alone (engine/step.py, plan_step)."""
     return sum(1 for call in backend.decode_calls for _, position, _, _ in call if position < length)
 
 
@@ -40,7 +41,7 @@ def test_identical_prompts_arriving_together_are_prefilled_once_and_answer_as_if
     backend = FakeBackend(n_seq_max=4, n_ctx=2048)
     handles, results = together(backend, params)
     length = len(handles[0].prompt_tokens)
-    assert prompt_rows(backend, length) == length
+    assert prompt_rows(backend, length) == length + 1
     assert [r.tokens for r in results] == [alone(PROMPT, p) for p in params]
     assert [r.finish.usage.cached_tokens for r in results] == [0, length, length, length]
 
@@ -66,7 +67,7 @@ def test_a_leader_cancelled_mid_prefill_hands_what_it_computed_to_a_follower():
     length = len(handles[0].prompt_tokens)
     assert results[0].finish.reason == "cancelled"
     assert results[1].tokens == results[2].tokens == alone(PROMPT, greedy)
-    assert prompt_rows(backend, length) == length  # the heir went on from the leader's first chunk
+    assert prompt_rows(backend, length) == length + 1  # the heir went on from the leader's first chunk
     assert backend.kv_tokens(0) == []
 
 

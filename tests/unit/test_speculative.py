@@ -34,8 +34,10 @@ def copying_rule(history):
 
 
 def step_decoding(backend, position):
-    """The rows of the first decode that fed `position` (of the sequence in slot 0)."""
-    return next(call for call in backend.decode_calls if (0, position) in {(seq, pos) for _, pos, seq, _ in call})
+    """The rows of the first decode that fed `position` (of the sequence in slot 0) asking its logits (a long
+    prompt's last token is fed with the others first, its cell dropped, then decoded alone)."""
+    return next(call for call in backend.decode_calls
+                if (0, position, True) in {(seq, pos, output) for _, pos, seq, output in call})
 
 
 def measured(cost, n_tokens, *seconds):

@@ -110,7 +110,11 @@ def test_followers_finished_requests_and_warm_prompts_fed_whole_get_no_rows():
     solo_last.solo_last = True
     plan = plan_step([follower, finished, warmed, solo_last], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=0,
                      drafts_allowed=True)
-    assert plan == StepPlan((), (PromptChunk(solo_last, 0, 99),))  # its last token goes alone, later
+    # Fed whole; its last token's cell is dropped after the step and decoded alone in a later one (or, where the
+    # memory cannot cut a sequence's end, held back from the batch).
+    assert plan == StepPlan((), (PromptChunk(solo_last, 0, 100, drop_last=True),))
+    assert plan_step([solo_last], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=0, drafts_allowed=True,
+                     can_drop=False) == StepPlan((), (PromptChunk(solo_last, 0, 99),))
     assert not plan_step([follower, finished, warmed], n_batch=512, n_ctx_seq=1000, prefill_chunk_tokens=0,
                          drafts_allowed=True)
 
