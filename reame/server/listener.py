@@ -74,7 +74,9 @@ class ReameHTTPServer(ThreadingHTTPServer):
         try:
             for host in more:
                 self.more_sockets.append(listening_socket(host, self.server_address[1], self.request_queue_size))
-        except OSError:
+        except OSError:  # an address that cannot be bound: none of them listens
+            for listening in self.more_sockets:
+                listening.close()
             self.server_close()
             raise
 

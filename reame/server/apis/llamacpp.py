@@ -358,7 +358,7 @@ def whole_records(encoded: Completion) -> list[dict[str, Any]] | None:
     for item in pieces(encoded):
         if isinstance(item, EngineGone):
             raise as_http_error(item.error)
-        if len(item) == 2:
+        if isinstance(item[1], ProgressEvent):
             continue  # a prompt's progress: only streamed
         tag, _, new_ids, new_probs, finish = item
         ids[tag] += new_ids
@@ -389,8 +389,8 @@ def stream_records(handler: Asker, encoded: Completion) -> None:
                 handler.send(Event(error_body(as_http_error(item.error))))
                 return
             usage_prompt = len(encoded.exchange.submitted.handles[item[0]].prompt_tokens)
-            if len(item) == 2:
-                record = progress_record(encoded.telemetry, *item, usage_prompt)
+            if isinstance(item[1], ProgressEvent):
+                record = progress_record(encoded.telemetry, item[0], item[1], usage_prompt)
                 if record is not None:
                     handler.send(Event(record))
                 continue
