@@ -36,7 +36,7 @@ def parsed(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag in ("--port", "--host", "--temp", "--seed", "--model", "--hf-repo", "--hf-file", "--alias", "--ctx-size",
                  "--parallel", "--n-predict", "--api-key", "--threads", "--batch-size", "--ubatch-size", "-ctk",
                  "-ctv", "-fa", "--slot-save-path", "--chat-template", "--chat-template-file", "--cache-ram",
-                 "--reasoning-format", "--reasoning", "--pooling", "--cors-origins", "--tags"):
+                 "--reasoning-format", "--reasoning", "--pooling", "--cors-origins", "--tags", "--kv-unified-per-slot"):
         parser.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"))
     for switch in IGNORED_SWITCHES:
         parser.add_argument(switch, action="store_true")
@@ -81,9 +81,21 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
         env["REAME_EMBEDDINGS_POOLING"] = args.pooling
     if args.chat_template:  # one of llama.cpp's formats by name (a Jinja text is not taken here)
         env["REAME_MODEL_CHAT_TEMPLATE"] = args.chat_template
+    if context_per_request(args):
+        env["REAME_SERVER_CONTEXT_PER_REQUEST"] = str(context_per_request(args))
     if args.ctk in ("f16", "q8_0", "q4_0"):
         command += ["--kv-type", args.ctk]
     return command, env
+
+
+def context_per_request(args: argparse.Namespace) -> int:
+    """llama-server's context per slot (0: the whole context): --kv-unified-per-slot, else with slots set and no
+    --kv-unified each slot's own KV stream, the context over the slots. Reame's KV stays one pool either way."""
+    if args.kv_unified_per_slot:
+        return int(args.kv_unified_per_slot)
+    if args.parallel and int(args.parallel) > 1 and args.ctx_size and not args.kv_unified:
+        return int(args.ctx_size) // int(args.parallel)
+    return 0
 
 
 def llama_server_command(args: argparse.Namespace, argv: list[str], model: Path) -> list[str]:

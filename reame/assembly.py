@@ -46,7 +46,8 @@ def new_engine(backend: LlamaBackend, settings: Settings, speculate: bool = True
     server = settings.server
     limits: dict[str, Any] = dict(max_queue=server.max_queue, queue_timeout_s=server.queue_timeout_s,
                                   prefill_chunk_tokens=server.prefill_chunk_tokens,
-                                  max_answer_tokens=server.max_answer_tokens) if serving else {}
+                                  max_answer_tokens=server.max_answer_tokens,
+                                  context_per_request=server.context_per_request) if serving else {}
     try:
         speculation = new_speculation(backend, settings, serving) if speculate else None
         return Engine(backend, cache=prefix_cache(settings, backend.kv_fingerprint(), serving),

@@ -34,7 +34,7 @@ class Conversation:
     def prompt_for(self, user_text: str) -> tuple[str, int]:
         """The templated prompt with the new user turn, and how many old turns were dropped to fit."""
         self.turns.append({"role": "user", "content": user_text})
-        limit = self.engine.backend.n_ctx_seq - (self.params.max_tokens or 0)
+        limit = self.engine.context_per_request - (self.params.max_tokens or 0)
         dropped = 0
         while True:
             text = self.engine.chat_prompt(self.messages())

@@ -103,6 +103,9 @@ KEYS: tuple[Key, ...] = (
         "best_of counts) and embedding requests not yet answered (one each); more get 429", minimum=1),
     Key("server.max_answer_tokens", "int", 4096, "the most tokens one answer gets, whatever its request asks "
         "(a larger max_tokens is clamped: finish_reason length); 0 = what the context leaves", minimum=0),
+    Key("server.context_per_request", "int", 0, "the most tokens one request fills, prompt and answer together, as "
+        "llama-server's context per slot (a longer prompt gets 400, an answer stops there); 0 = the whole context",
+        minimum=0),
     Key("server.models", "str", "", "more models this server serves besides the one it starts with: "
         "comma-separated catalog names or .gguf paths, each optionally named first (NAME=SOURCE, and more "
         "names with |: coder|qwen=qwen2.5-coder-0.5b); a request's model picks one"),

@@ -29,6 +29,18 @@ class RequestError(ReameError):
         self.code = code
 
 
+class ContextExceeded(RequestError):
+    """A prompt as long as the context a request may fill, or longer: OpenAI's code, and llama-server's counts
+    (`n_prompt_tokens`, `n_ctx`) which its clients read."""
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(f"This model's maximum context length is {n_ctx} tokens. However, your prompt resulted in "
+                         f"{n_prompt_tokens} tokens. Please reduce the length of the prompt.",
+                         param="prompt", code="context_length_exceeded")
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+
 class CacheError(ReameError):
     """A cache file or directory cannot be used."""
 

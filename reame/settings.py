@@ -74,6 +74,7 @@ class ServerOptions:
     max_queue: int
     queue_timeout_s: float
     max_answer_tokens: int  # 0: the context's room
+    context_per_request: int  # 0: the whole context
     sessions: SessionLimits
     request_logging: bool
     metrics: bool
@@ -206,7 +207,7 @@ def from_values(values: dict[str, Value]) -> Settings:
             node_name=get("server.node_name"),
             parallel=get("server.parallel"), prefill_chunk_tokens=get("server.prefill_chunk_tokens"),
             max_queue=get("server.max_queue"), queue_timeout_s=get("server.queue_timeout_seconds"),
-            max_answer_tokens=get("server.max_answer_tokens"),
+            max_answer_tokens=get("server.max_answer_tokens"), context_per_request=get("server.context_per_request"),
             sessions=SessionLimits(get("server.max_sessions_per_key"), get("server.max_sessions"),
                                    int(get("server.sessions_ram_mb") * 2**20), get("server.session_idle_hours") * 3600),
             request_logging=get("server.request_logging"), metrics=get("server.metrics"),

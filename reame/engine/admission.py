@@ -28,7 +28,7 @@ class ContextLimits:
     """What the KV reservations are measured against."""
 
     n_ctx: int  # the shared context, in cells
-    n_ctx_seq: int  # one sequence's most
+    n_ctx_seq: int  # one request's most (Engine.context_per_request)
     n_seq_max: int  # slots
     reserve_tokens: int  # reserved for the answer of a request without max_tokens
 

@@ -56,7 +56,7 @@ from reame.engine.request import (
 )
 from reame.engine.sequences import Sequences
 from reame.engine.step import Stepper
-from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
+from reame.errors import ContextExceeded, EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.model.backend import Backend
 from reame.speculative import Speculation
 from reame.structured.gbnf import compiled
@@ -91,8 +91,8 @@ class Engine:
     def __init__(self, backend: Backend, max_queue: int = 0, queue_timeout_s: float = 0.0,
                  prefill_chunk_tokens: int = 128, reserve_tokens: int = 256, cache: PrefixCache | None = None,
                  speculation: Speculation | None = None, first_token_handoff_s: float = FIRST_TOKEN_HANDOFF_S,
-                 max_answer_tokens: int = 0, owns_backend: bool = False, warm_up: bool = True,
-                 rowwise: bool = False) -> None:
+                 max_answer_tokens: int = 0, context_per_request: int = 0, owns_backend: bool = False,
+                 warm_up: bool = True, rowwise: bool = False) -> None:
         """`max_queue`: most generations waiting for a slot (0 = no limit); `queue_timeout_s`: how long
         one may wait before it fails with FINISH_TIMEOUT (0 = forever); `prefill_chunk_tokens`:
         most prompt tokens fed in a step that also decodes (0 = the whole batch);
@@ -100,6 +100,8 @@ class Engine:
         `cache`: the prefix cache; `speculation`: draft and verify several tokens per step where
         that pays (speculative/). The engine closes both. `first_token_handoff_s`: see FIRST_TOKEN_HANDOFF_S.
         `max_answer_tokens`: the most tokens any answer gets, whatever its request asks (0: the context's room).
+        `context_per_request`: the most KV cells one request fills, its prompt and answer together (0, or more
+        than one sequence may hold: what one sequence may hold), as llama-server's context per slot is.
         `owns_backend`: close() closes the backend too (once the thread has ended). `warm_up`: a throwaway decode
         before the first request (LlamaBackend.warm_up); a one-shot prompt, whose prompt decodes next, skips it
         (10 ms of SmolLM2-135M's 125 to its first token here). `rowwise`: a step of generating sequences
@@ -117,7 +119,8 @@ class Engine:
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
-        limits = admission.ContextLimits(backend.n_ctx, backend.n_ctx_seq, backend.n_seq_max, reserve_tokens)
+        self.context_per_request = min(context_per_request or backend.n_ctx_seq, backend.n_ctx_seq)
+        limits = admission.ContextLimits(backend.n_ctx, self.context_per_request, backend.n_seq_max, reserve_tokens)
         self.max_answer_tokens = max_answer_tokens
         self.owns_backend = owns_backend
         self.warms_up = warm_up
@@ -203,13 +206,10 @@ class Engine:
 
     def _handle(self, request: GenerationRequest, sink: queue.SimpleQueue | None, tag: int) -> Handle:
         tokens = self.prompt_tokens(request)
-        limit = self.backend.n_ctx_seq
-        if len(tokens) >= limit:
-            # OpenAI's wording and code, which clients look for; max_tokens beyond what the context
-            # leaves is clamped instead (the answer then ends with "length"), as llama-server does.
-            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                               f"resulted in {len(tokens)} tokens. Please reduce the length of the prompt.",
-                               param="prompt", code="context_length_exceeded")
+        if len(tokens) >= self.context_per_request:
+            # max_tokens beyond what the context leaves is clamped instead (the answer then ends with "length"),
+            # as llama-server does.
+            raise ContextExceeded(len(tokens), self.context_per_request)
         for token in request.params.logit_bias:
             if token >= self.backend.n_vocab:
                 raise RequestError(f"logit_bias token {token} is outside the vocabulary", param="logit_bias")

@@ -105,7 +105,7 @@ class Sequences:
         # On the CPU, over the logits: sampling inside the graph measured slower (see new_sampler).
         sampler = backend.new_sampler(steps)
         try:
-            room = backend.n_ctx_seq - len(handle.prompt_tokens)
+            room = self.limits.n_ctx_seq - len(handle.prompt_tokens)
             most = min(params.max_tokens or room, room, self.max_answer_tokens or room)
             running = Running(handle, slot, sampler, most, next(self._admissions))
             start = admission.plan_start(handle, shared, self.running, backend.supports_rollback)
@@ -342,7 +342,7 @@ class Sequences:
             self.finish(running, FINISH_STOP)
         elif len(running.generated_tokens) >= running.max_tokens:
             self.finish(running, FINISH_LENGTH)
-        elif running.n_fed + 1 > backend.n_ctx_seq:
+        elif running.n_fed + 1 > self.limits.n_ctx_seq:
             self.finish(running, FINISH_LENGTH, "the context is full")
         else:
             running.generate(token)

@@ -252,7 +252,7 @@ class Stepper:
 
     def plan(self) -> StepPlan:
         speculation = self.speculation
-        return plan_step(self.sequences.running, self.backend.n_batch, self.backend.n_ctx_seq,
+        return plan_step(self.sequences.running, self.backend.n_batch, self.sequences.limits.n_ctx_seq,
                          self.prefill_chunk_tokens, speculation is not None and not self.drafts_paused,
                          None if speculation is None else speculation.exact_rows, self.rowwise,
                          self.backend.supports_rollback)

@@ -88,17 +88,24 @@ class Asker(Client, Protocol):
         """The body as JSON; HttpError for anything else."""
 
 
+CONTEXT_EXCEEDED = "exceed_context_size_error"  # llama-server's error type of a prompt over the context
+
+
 class HttpError(Exception):
-    """An error to answer in OpenAI's shape (or the route's family's: routes.Route.error_body)."""
+    """An error to answer in OpenAI's shape (or the route's family's: routes.Route.error_body). `details`: more
+    fields of the error object (llama-server's counts of a prompt over the context)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
         self.headers = headers or {}
+        self.details = details or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code,
+                          **self.details}}
 
     def whole(self) -> Whole:
         """The error as a whole answer in OpenAI's shape."""

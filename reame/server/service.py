@@ -10,12 +10,12 @@ from typing import Any
 
 from reame.engine import FinishEvent
 from reame.engine.kv import KvStats
-from reame.errors import EngineUnavailable, ModelError, OverloadedError, RequestError
+from reame.errors import ContextExceeded, EngineUnavailable, ModelError, OverloadedError, RequestError
 from reame.server.batches import Batches
 from reame.server.conversations import Conversations
 from reame.server.filestore import FileStore
 from reame.server.exchange import ENGINE_UNAVAILABLE, embedded
-from reame.server.client import Asker, HttpError
+from reame.server.client import CONTEXT_EXCEEDED, Asker, HttpError
 from reame.server.settings import ServerSettings
 from reame.server.metrics import Metrics, Sample
 from reame.server.models import ModelPool, ModelUnavailable, ServedModel, UnknownModel
@@ -155,7 +155,7 @@ def as_http_error(error: HttpError | SessionError | EngineUnavailable | RequestE
     """The HTTP answer to an error of the layers below: bad input (a RequestError, from structured output
     say) is a 400 naming its field."""
     if isinstance(error, RequestError):
-        return HttpError(400, str(error), param=error.param, code=error.code)
+        return bad_request(error, error.param)
     if isinstance(error, SessionError):
         return HttpError(error.status, str(error), param=error.param, code=error.code, headers=error.headers)
     if isinstance(error, EngineUnavailable):
@@ -182,7 +182,16 @@ def refusal(error: RequestError | OverloadedError, prompt_param: str = "prompt")
     `prompt_param`: what the request called its prompt (a chat's is its "messages")."""
     if isinstance(error, OverloadedError):
         return HttpError(429, str(error), "server_error", "queue_full", headers={"Retry-After": "2"})
-    param = prompt_param if error.param in (None, "prompt") else error.param
+    return bad_request(error, prompt_param if error.param in (None, "prompt") else error.param)
+
+
+def bad_request(error: RequestError, param: str | None) -> HttpError:
+    """The 400 of a request the engine refused. A prompt over the context keeps OpenAI's code, which its clients
+    look for, in llama-server's type and with its counts, which llama.cpp's clients read (its OpenAI routes answer
+    so too)."""
+    if isinstance(error, ContextExceeded):
+        return HttpError(400, str(error), CONTEXT_EXCEEDED, error.code, param,
+                         details={"n_prompt_tokens": error.n_prompt_tokens, "n_ctx": error.n_ctx})
     return HttpError(400, str(error), param=param, code=error.code)
 
 

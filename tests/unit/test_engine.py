@@ -7,7 +7,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams, TokenEvent
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend, default_rule, gated_rule
-from reame.errors import EngineUnavailable, ModelError, RequestError
+from reame.errors import ContextExceeded, EngineUnavailable, ModelError, RequestError
 from tests.waiting import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=60)
@@ -115,6 +115,24 @@ def test_max_tokens_beyond_what_the_context_leaves_is_clamped_and_ends_with_leng
                                                                             ignore_eos=True)))
     assert result.finish.reason == "length"
     assert len(result.tokens) == 64 - 41  # the prompt is 40 characters and a BOS
+
+
+def test_a_request_fills_at_most_its_context_per_request_of_a_larger_kv():
+    backend = FakeBackend(n_ctx=128, n_seq_max=2)
+    with Engine(backend, context_per_request=48) as engine:
+        with pytest.raises(ContextExceeded) as raised:
+            engine.submit(GenerationRequest("x" * 47))  # 48 tokens with the BOS
+        assert (raised.value.n_prompt_tokens, raised.value.n_ctx) == (48, 48)
+        assert raised.value.code == "context_length_exceeded" and "maximum context length is 48" in str(raised.value)
+        result = engine.generate(GenerationRequest("x" * 20, SamplingParams(temperature=0, max_tokens=100,
+                                                                            ignore_eos=True)))
+    assert result.finish.reason == "length" and len(result.tokens) == 48 - 21
+    assert backend.decode_calls  # the refused one cost nothing, the other ran
+
+
+def test_a_context_per_request_beyond_what_a_sequence_holds_is_what_it_holds():
+    with Engine(FakeBackend(n_ctx=64), context_per_request=1000) as engine:
+        assert engine.context_per_request == 64
 
 
 def test_token_prompt_outside_vocabulary_is_refused():

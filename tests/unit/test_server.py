@@ -219,7 +219,6 @@ def test_seeded_requests_repeat(live):
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [1, N_VOCAB]}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x" * 2000, "max_tokens": 10}, "prompt"),
     ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
@@ -965,8 +964,28 @@ def test_a_prompt_over_the_context_is_context_length_exceeded_as_openai_says(liv
                              {"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 2})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert body["error"]["param"] == "messages" and "maximum context length is 1024" in body["error"]["message"]
-    status, body = live.json("POST", "/v1/completions", {"prompt": "x" * 2000})
+    status, body = live.json("POST", "/v1/completions", {"prompt": "x" * 2000, "max_tokens": 10})
     assert status == 400 and (body["error"]["code"], body["error"]["param"]) == ("context_length_exceeded", "prompt")
+    # llama-server's type and counts, which llama.cpp's clients read, beside OpenAI's code and message
+    assert body["error"]["type"] == "exceed_context_size_error"
+    assert (body["error"]["n_prompt_tokens"], body["error"]["n_ctx"]) == (2001, 1024)
+
+
+def test_a_prompt_over_a_requests_context_is_refused_with_llama_servers_type_and_counts():
+    with Engine(FakeBackend(n_ctx=1024, n_seq_max=4), context_per_request=256) as engine:
+        server = Live(engine)
+        try:
+            status, body = server.json("POST", "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "x" * 300}]})
+            assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+            assert body["error"]["type"] == "exceed_context_size_error" and body["error"]["param"] == "messages"
+            assert body["error"]["n_ctx"] == 256 and body["error"]["n_prompt_tokens"] > 300
+            status, body = server.json("POST", "/completion", {"prompt": "x" * 300})
+            assert status == 400 and body["error"]["type"] == "exceed_context_size_error"
+            assert (body["error"]["code"], body["error"]["n_ctx"]) == (400, 256)
+            assert server.json("GET", "/slots")[1][0]["n_ctx"] == 256
+        finally:
+            server.close()
 
 
 def test_max_tokens_beyond_the_context_is_clamped_to_what_it_leaves(live):

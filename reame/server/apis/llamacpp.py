@@ -22,7 +22,7 @@ from reame.errors import RequestError
 from reame.model.backend import Backend
 from reame.model.sampling import MAX_LOGIT_BIAS, MAX_SEED, SamplingParams
 from reame.server import turn
-from reame.server.client import Asker, Event, HttpError, Opening, Whole
+from reame.server.client import CONTEXT_EXCEEDED, Asker, Event, HttpError, Opening, Whole
 from reame.server.exchange import Asked, EngineGone, Exchange, Options
 from reame.server.models import ServedModel, loaded
 from reame.server.prompts import is_token, llama_prompts
@@ -42,9 +42,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def error_body(error: HttpError) -> dict[str, Any]:
-    """llama-server's error shape: {"error": {"code", "message", "type"}}."""
-    return {"error": {"code": error.status, "message": error.message,
-                      "type": ERROR_TYPES.get(error.status, "server_error")}}
+    """llama-server's error shape: {"error": {"code", "message", "type"}}, and its counts of a prompt over the
+    context."""
+    kind = CONTEXT_EXCEEDED if error.kind == CONTEXT_EXCEEDED else ERROR_TYPES.get(error.status, "server_error")
+    return {"error": {"code": error.status, "message": error.message, "type": kind, **error.details}}
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def infill_route(app: Service, handler: Asker, _path: str) -> None:
         # llama-server sizes the extra context with its own n_predict (-1 by default), not the request's.
         tokens = infill(backend, body["input_prefix"], body["input_suffix"], chunks,
                         backend.tokenize(middle, add_special=False, parse_special=True) if middle else [], -1,
-                        backend.n_ctx_seq)
+                        engine.context_per_request)
     except RequestError as error:
         raise HttpError(501, f"Infill is not supported by this model: {error}", "not_supported_error") from None
     answer(app, handler, served, fields, [tokens], chat=False)

@@ -5,7 +5,7 @@ llamacpp.py; where Reame differs, docs/api.md says so."""
 
 from __future__ import annotations
 
-from reame.model.backend import Backend
+from reame.engine import Engine
 from reame.native import LLAMA_COMMIT
 from reame.server import turn
 from reame.server.apis import openai
@@ -101,10 +101,10 @@ def metric_samples(app: Service) -> list[Sample]:
     return [Sample(f"llamacpp:{name}", kind, text, {}, value) for name, kind, text, value in values]
 
 
-def slot_context(backend: Backend) -> int:
+def slot_context(engine: Engine) -> int:
     """The context a slot is sure of, as llama-server reports it: the whole context over the slots (with a
-    unified KV, one request alone may use more)."""
-    return backend.n_ctx // backend.n_seq_max
+    unified KV, one request alone may use more, up to server.context_per_request)."""
+    return min(engine.backend.n_ctx // engine.backend.n_seq_max, engine.context_per_request)
 
 
 def slots(app: Service, handler: Asker, _path: str) -> None:
@@ -118,7 +118,7 @@ def slots(app: Service, handler: Asker, _path: str) -> None:
     status, backend = engine.status, engine.backend
     if "fail_on_no_slot=" in handler.path.partition("?")[2] and status.running >= backend.n_seq_max:
         raise HttpError(503, "no slot available", "unavailable_error")
-    handler.send(Whole(200, [{"id": slot, "id_task": -1, "n_ctx": slot_context(backend),
+    handler.send(Whole(200, [{"id": slot, "id_task": -1, "n_ctx": slot_context(engine),
                               "speculative": engine.speculation is not None, "is_processing": slot < status.running}
                              for slot in range(backend.n_seq_max)]))
 
@@ -146,7 +146,7 @@ def props(app: Service, handler: Asker, _path: str) -> None:
     defaults = generation_settings(sampling(Fields({}), None, backend, app.settings.sampling), -1, False, 0,
                                    served.name)
     handler.send(Whole(200, {
-        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": slot_context(backend),
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": slot_context(engine),
                                         "speculative": False,
                                         "is_processing": False, "params": defaults},
         "total_slots": backend.n_seq_max, "model_alias": served.name, "model_path": served.facts.path,
