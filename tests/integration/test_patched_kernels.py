@@ -80,3 +80,50 @@ def test_the_invariant_q4_k_gemm_computes_every_row_as_gemv_does(ggml_cpu, rows,
     stock, invariant, alone = products(ggml_cpu, rows, columns, n, seed=rows * 1000 + columns * 10 + n)
     assert invariant == alone
     assert stock != alone
+
+
+# 0005: a Q6_K weight is not repacked on x86; the reference path multiplied it column by column with
+# ggml_vec_dot_q6_K_q8_K. `ggml_vec_dot_q6_K_q8_K_cols` takes up to 16 columns at once, each exactly as vec_dot.
+Q6_K_BYTES = 128 + 64 + 16 + 2  # block_q6_K: ql[128], qh[64], scales[16] (int8), d (fp16)
+
+
+@pytest.fixture(scope="module")
+def q6_k_kernels(ggml_cpu):
+    ggml_cpu.ggml_vec_dot_q6_K_q8_K.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    ggml_cpu.ggml_vec_dot_q6_K_q8_K_cols.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.c_void_p, ctypes.c_int]
+    for name in ("ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_q6_K_q8_K_cols"):
+        getattr(ggml_cpu, name).restype = None
+    ggml_cpu.ggml_cpu_init()  # the fp16 table the Q6_K kernels read their scales through
+    return ggml_cpu
+
+
+def random_q6_k_row(rng: random.Random, n: int) -> ctypes.Array:
+    """n/256 Q6_K blocks: random codes and sub-block scales, an fp16 scale of a sane size."""
+    blocks = bytearray(rng.randbytes(Q6_K_BYTES * (n // QK_K)))
+    for block in range(n // QK_K):
+        blocks[block * Q6_K_BYTES + Q6_K_BYTES - 2:(block + 1) * Q6_K_BYTES] = struct.pack("<H", 0x2000 +
+                                                                                         rng.randrange(0x400))
+    return (ctypes.c_char * len(blocks)).from_buffer(blocks)
+
+
+@pytest.mark.parametrize("columns", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+@pytest.mark.parametrize("n", [256, 1536])
+def test_q6_k_columns_together_are_each_vec_dots_own_result(q6_k_kernels, columns, n):
+    rng = random.Random(columns * 100 + n)
+    weights = random_q6_k_row(rng, n)
+    rows = []
+    for _ in range(columns):
+        values = (ctypes.c_float * n)(*[rng.uniform(-1, 1) * (6 if rng.random() < 0.01 else 1) for _ in range(n)])
+        row = ctypes.create_string_buffer(Q8_K_BYTES * (n // QK_K))
+        q6_k_kernels.quantize_row_q8_K(values, row, n)
+        rows.append(row)
+    alone = (ctypes.c_float * columns)()
+    for index, row in enumerate(rows):
+        q6_k_kernels.ggml_vec_dot_q6_K_q8_K(n, ctypes.byref(alone, 4 * index), 0, weights, 0, row, 0, 1)
+    together = (ctypes.c_float * columns)()
+    pointers = (ctypes.c_void_p * columns)(*[ctypes.addressof(row) for row in rows])
+    q6_k_kernels.ggml_vec_dot_q6_K_q8_K_cols(n, together, weights, pointers, columns)
+    assert bytes(together) == bytes(alone)
+    assert len(set(alone)) == columns  # distinct, non-trivial products: the comparison means something
