@@ -150,7 +150,8 @@ def cmd_info(state: ArcaState, client: Client, args: list[bytes]) -> Reply:
         "server": {"redis_version": REDIS_VERSION, "arca_version": __version__, "redis_mode": "standalone",
                    "os": os.uname().sysname, "process_id": os.getpid(), "tcp_port": state.settings.port,
                    "uptime_in_seconds": int(time.time() - state.started)},
-        "clients": {"connected_clients": len(state.clients)},
+        "clients": {"connected_clients": len(state.clients),
+                    "blocked_clients": sum(1 for other in state.clients.values() if other.blocked)},
         "memory": {"used_memory": state.keyspace.used_bytes, "maxmemory": state.settings.max_bytes,
                    "maxmemory_policy": "allkeys-lru"},
         "persistence": {"loading": 0, "aof_enabled": 1, "aof_rewrite_in_progress": int(aof._rewrite_tail

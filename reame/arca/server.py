@@ -120,10 +120,14 @@ class Arca:
             on_ready(port)
         chores = asyncio.create_task(self._chores())
         try:
-            async with server:
-                await server.serve_forever()
+            await asyncio.get_running_loop().create_future()  # serving (create_server started it) until cancelled
         finally:
+            # Not serve_forever nor `async with server`: since Python 3.12.1 both wait, once stopped, for every
+            # connection to end, so a client that stays connected (a serving node's) held the shutdown forever.
             chores.cancel()
+            server.close()
+            for client in list(self.clients.values()):
+                client.disconnect()
             self.aof.close()
 
     async def _chores(self) -> None:

@@ -19,10 +19,17 @@ from tests.waiting import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def pythons() -> list[str]:
+    """The CPython 3.11+ interpreters of this machine (pyenv's, and the one running the tests): asyncio's server
+    shutdown changed in 3.12.1, and users run the .pyz on whichever they have."""
+    found = {sys.executable} | {str(path) for path in Path.home().glob(".pyenv/versions/3.1[1-9]*/bin/python3")}
+    return sorted(found)
+
+
 @contextmanager
-def arca(directory: Path, *flags: str):
+def arca(directory: Path, *flags: str, python: str = sys.executable):
     """A `reame arca` process on a free port; yields (port, process); stopped with SIGTERM (exit 0)."""
-    process = subprocess.Popen([sys.executable, "-m", "reame", "arca", "--port", "0", "--dir", str(directory),
+    process = subprocess.Popen([python, "-m", "reame", "arca", "--port", "0", "--dir", str(directory),
                                 *flags], stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
     port = None
@@ -100,6 +107,24 @@ def test_redis_py_works_unmodified(tmp_path, protocol):
         assert pipe.execute()[-1] == b"99"
         assert client.dbsize() == 103 and client.info()["redis_version"]
         assert client.flushdb() is True and client.dbsize() == 0
+
+
+@pytest.mark.parametrize("python", pythons(), ids=lambda path: Path(path).parts[-3])
+def test_sigterm_stops_it_at_once_with_clients_still_connected(tmp_path, python):
+    """A serving node keeps its connection open: ARCA must not wait for it (on Python 3.12.1 and 3.13 it did
+    forever), nor for a client blocked in XREAD, and what was written is kept."""
+    with arca(tmp_path, python=python) as (port, process):
+        idle = redis.Redis(port=port)
+        assert idle.set("kept", "yes")
+        blocked = socket.create_connection(("127.0.0.1", port))
+        blocked.sendall(b"XREAD BLOCK 0 STREAMS nothing $\r\n")
+        wait_until(lambda: "blocked_clients:1" in cli(port, "INFO", "clients"), what="the XREAD to block")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0  # (it would hang until the clients left)
+        blocked.close()
+        idle.close()
+    with arca(tmp_path, python=python) as (port, _):
+        assert cli(port, "GET", "kept") == "yes"
 
 
 def test_xread_block_wakes_when_another_client_adds(tmp_path):
