@@ -8,6 +8,7 @@ Speculative verification will compute its probabilities from the same chain.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import itertools
@@ -186,7 +187,9 @@ def post_sampling_of(logits: Sequence[float], token: int, top: int, params: Samp
     refuses post-sampling probabilities beside one.)
 
     Only tokens within LOGPROB_WINDOW of the best (times the temperature, which flattens them) are looked
-    at: the rest cannot survive top-p or min-p, nor weigh on the softmax (e^-30 each)."""
+    at: the rest cannot survive top-p or min-p, nor weigh on the softmax (e^-30 each). The scans of the whole
+    vocabulary run in C (max, map, compress), and a top-k takes its k best without sorting the rest: it runs on
+    the engine thread, beside the other streams' steps."""
     if params.greedy:
         return 0.0, ((token, 0.0),)[:top]
     edited: dict[int, float] = {}
@@ -203,28 +206,29 @@ def post_sampling_of(logits: Sequence[float], token: int, top: int, params: Samp
             edited[seen] = value - count * params.frequency_penalty - params.presence_penalty
     peak = max(max(logits), *edited.values()) if edited else max(logits)
     floor = peak - LOGPROB_WINDOW * max(1.0, params.temperature)
-    candidates = {i: value for i, value in enumerate(logits) if value >= floor}
+    close = list(itertools.compress(range(len(logits)), map(operator.ge, logits, itertools.repeat(floor))))
+    candidates = dict(zip(close, map(logits.__getitem__, close)))
     for i, value in edited.items():
         if value >= floor:
             candidates[i] = value
         else:
             candidates.pop(i, None)
-    ranked = sorted(candidates.items(), key=lambda item: -item[1])  # llama.cpp's order: best first
-    if params.top_k > 0:
-        ranked = ranked[:params.top_k]
-    if params.top_p < 1.0:
-        weights = [math.exp(value - ranked[0][1]) for _, value in ranked]
-        total, kept = sum(weights), 0.0
-        for index, weight in enumerate(weights):
-            kept += weight / total
-            if kept >= params.top_p:
-                ranked = ranked[:index + 1]
-                break
-    if params.min_p > 0.0:
-        least = ranked[0][1] + math.log(params.min_p)
-        ranked = [item for item in ranked if item[1] >= least] or ranked[:1]
-    scaled = [(i, value / params.temperature) for i, value in ranked]
-    norm = scaled[0][1] + math.log(sum(math.exp(value - scaled[0][1]) for _, value in scaled))
-    drawn = next((value for i, value in scaled if i == token),
-                 edited.get(token, logits[token]) / params.temperature)  # (left out: then nearly 0)
-    return drawn - norm, tuple((i, value - norm) for i, value in scaled[:top])
+    # llama.cpp's order: best first (equals in index order: both are stable)
+    order = heapq.nlargest(params.top_k, candidates, key=candidates.__getitem__) if params.top_k > 0 else \
+        sorted(candidates, key=candidates.__getitem__, reverse=True)
+    values = list(map(candidates.__getitem__, order))
+    if params.top_p < 1.0:  # the shortest head whose probabilities, added up in order, reach top_p
+        weights = list(map(math.exp, map(operator.sub, values, itertools.repeat(values[0]))))
+        reached = list(itertools.accumulate(map(operator.truediv, weights, itertools.repeat(sum(weights)))))
+        del order[bisect.bisect_left(reached, params.top_p) + 1:], values[len(order):]
+    if params.min_p > 0.0:  # (values fall, so what is left is a head)
+        least = values[0] + math.log(params.min_p)
+        kept = max(1, len(values) - bisect.bisect_left(values[::-1], least))
+        del order[kept:], values[kept:]
+    scaled = list(map(operator.truediv, values, itertools.repeat(params.temperature)))
+    norm = scaled[0] + math.log(sum(map(math.exp, map(operator.sub, scaled, itertools.repeat(scaled[0])))))
+    try:
+        drawn = scaled[order.index(token)]
+    except ValueError:  # left out: then nearly 0
+        drawn = edited.get(token, logits[token]) / params.temperature
+    return drawn - norm, tuple(zip(order[:top], map(operator.sub, scaled[:top], itertools.repeat(norm))))
