@@ -214,7 +214,7 @@ KEYS: tuple[Key, ...] = (
         "catalog name or path of a smaller model with the same vocabulary that drafts too; empty = none"),
     Key("speculative.draft_min_probability", "float", 0.75,
         "the draft model stops at a token it gives less than this probability", minimum=0, maximum=1),
-    Key("speculative.max_draft_tokens", "int", 16, "most tokens drafted per step", minimum=1),
+    Key("speculative.max_draft_tokens", "int", 32, "most tokens drafted per step", minimum=1),
     Key("speculative.exact", "bool", True,
         "a greedy or seeded answer is byte-identical with speculation on or off: the steps beside it compute "
         "each row as a step of one row does, and its drafts are verified only in batches measured exact (once); "
