@@ -220,7 +220,8 @@ def post_sampling_of(logits: Sequence[float], token: int, top: int, params: Samp
     if params.top_p < 1.0:  # the shortest head whose probabilities, added up in order, reach top_p
         weights = list(map(math.exp, map(operator.sub, values, itertools.repeat(values[0]))))
         reached = list(itertools.accumulate(map(operator.truediv, weights, itertools.repeat(sum(weights)))))
-        del order[bisect.bisect_left(reached, params.top_p) + 1:], values[len(order):]
+        kept = bisect.bisect_left(reached, params.top_p) + 1
+        del order[kept:], values[kept:]
     if params.min_p > 0.0:  # (values fall, so what is left is a head)
         least = values[0] + math.log(params.min_p)
         kept = max(1, len(values) - bisect.bisect_left(values[::-1], least))
