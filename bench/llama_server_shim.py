@@ -81,8 +81,9 @@ def reame_command(args: argparse.Namespace, model: Path) -> tuple[list[str], dic
         env["REAME_EMBEDDINGS_POOLING"] = args.pooling
     if args.chat_template:  # one of llama.cpp's formats by name (a Jinja text is not taken here)
         env["REAME_MODEL_CHAT_TEMPLATE"] = args.chat_template
-    if context_per_request(args):
-        env["REAME_SERVER_CONTEXT_PER_REQUEST"] = str(context_per_request(args))
+    per_request = context_per_request(args)
+    if per_request:
+        env["REAME_SERVER_CONTEXT_PER_REQUEST"] = str(per_request)
     if args.ctk in ("f16", "q8_0", "q4_0"):
         command += ["--kv-type", args.ctk]
     return command, env

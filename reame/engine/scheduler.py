@@ -119,8 +119,8 @@ class Engine:
         self.queue_timeout_s = queue_timeout_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.reserve_tokens = reserve_tokens
-        self.context_per_request = min(context_per_request or backend.n_ctx_seq, backend.n_ctx_seq)
-        limits = admission.ContextLimits(backend.n_ctx, self.context_per_request, backend.n_seq_max, reserve_tokens)
+        limits = admission.ContextLimits(backend.n_ctx, min(context_per_request or backend.n_ctx_seq,
+                                                            backend.n_ctx_seq), backend.n_seq_max, reserve_tokens)
         self.max_answer_tokens = max_answer_tokens
         self.owns_backend = owns_backend
         self.warms_up = warm_up
@@ -203,6 +203,11 @@ class Engine:
             handle.queued = False
             with self._queue_lock:
                 self._queued -= 1
+
+    @property
+    def context_per_request(self) -> int:
+        """The most KV cells one request fills, prompt and answer together (see __init__)."""
+        return self._sequences.limits.n_ctx_seq
 
     def _handle(self, request: GenerationRequest, sink: queue.SimpleQueue | None, tag: int) -> Handle:
         tokens = self.prompt_tokens(request)
