@@ -211,7 +211,8 @@ def embedding_count(count: int) -> None:
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """Messages as templates read them: role, text content, and an assistant's earlier tool calls (their
-    arguments as objects) or a tool result's call id."""
+    arguments as objects) and thinking (`reasoning_content`, which thinking models' templates render, as
+    Qwen3's does in a tool-call loop), or a tool result's call id."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' must be a non-empty array", param="messages", code="invalid_type")
     result = []
@@ -228,6 +229,12 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                                  "content": message_text(message.get("content"), f"{where}.content")}
         if role == "assistant" and message.get("tool_calls") is not None:
             entry["tool_calls"] = history_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "assistant" and message.get("reasoning_content") is not None:
+            if not isinstance(message["reasoning_content"], str):
+                raise HttpError(400, f"'{where}.reasoning_content' must be a string",
+                                param=f"{where}.reasoning_content", code="invalid_type")
+            if message["reasoning_content"]:
+                entry["reasoning_content"] = message["reasoning_content"]
         if role == "tool":
             for name in ("tool_call_id", "name"):
                 if message.get(name) is not None:

@@ -152,11 +152,12 @@ def template_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest 
         if role == "assistant" and message.get("tool_calls"):
             calls = "\n".join(f"{OPEN}\n{json.dumps(call_json(call), ensure_ascii=False)}\n{CLOSE}"
                               for call in message["tool_calls"])
-            result.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
+            result.append(thought_kept(message, {"role": "assistant",
+                                                 "content": (content + "\n" if content else "") + calls}))
         elif role == "tool":
             result.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
-            result.append({"role": role, "content": content})
+            result.append(thought_kept(message, {"role": role, "content": content}))
     if tools is not None:
         described = INSTRUCTIONS.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools.tools))
         if result and result[0]["role"] == "system":
@@ -164,6 +165,13 @@ def template_messages(messages: Sequence[Mapping[str, Any]], tools: ToolRequest 
         else:
             result.insert(0, {"role": "system", "content": described})
     return result
+
+
+def thought_kept(message: Mapping[str, Any], rewritten: dict[str, Any]) -> dict[str, Any]:
+    """`rewritten` with `message`'s thinking (an assistant's `reasoning_content`), for the template to render."""
+    if message.get("reasoning_content"):
+        rewritten["reasoning_content"] = message["reasoning_content"]
+    return rewritten
 
 
 def call_json(call: Mapping[str, Any]) -> dict[str, Any]:

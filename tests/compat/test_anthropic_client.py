@@ -81,3 +81,17 @@ def test_a_tool_use_round_trip_on_qwen(native_libraries, model_path):
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                           "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]}])
         assert final.stop_reason == "end_turn" and "21" in final.content[0].text
+
+
+def test_thinking_blocks_sent_back_are_taken(base):
+    # What a client holds after a thinking model's answer goes back in the history: its thinking block (and a
+    # redacted one, which no model here reads); SmolLM2's template renders no thinking, so the counts are alike.
+    said = [{"type": "thinking", "thinking": "Blue is calm.", "signature": ""},
+            {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}, {"type": "text", "text": "Blue."}]
+    history = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": said},
+               {"role": "user", "content": "Another one?"}]
+    plain = [history[0], {"role": "assistant", "content": "Blue."}, history[2]]
+    answer = client(base).messages.create(model="smollm2", max_tokens=8, messages=history, extra_body=GREEDY)
+    assert answer.content[0].type == "text"
+    assert client(base).messages.count_tokens(model="smollm2", messages=history).input_tokens == \
+        client(base).messages.count_tokens(model="smollm2", messages=plain).input_tokens

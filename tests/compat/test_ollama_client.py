@@ -103,3 +103,11 @@ def test_a_tool_call_and_its_round_trip_on_qwen(native_libraries, model_path):
             {"role": "tool", "tool_name": "get_weather", "content": json.dumps({"temperature_c": 21})}],
             tools=[WEATHER], options={"temperature": 0, "num_predict": 60})
         assert not final.message.tool_calls and "21" in final.message.content
+
+
+def test_thinking_sent_back_is_taken(client):
+    history = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "Blue.", "thinking": "Blue is calm."},
+               {"role": "user", "content": "Another one?"}]
+    answer = client.chat(model="smollm2-135m", messages=history, options=GREEDY)
+    assert answer.message.content and answer.done

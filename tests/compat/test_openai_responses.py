@@ -70,3 +70,16 @@ def test_a_function_call_and_its_output_on_qwen(native_libraries, model_path):
                                                                    "call_id": call.call_id,
                                                                    "output": json.dumps({"temperature_c": 21})}])
         assert not [item for item in done.output if item.type == "function_call"] and "21" in done.output_text
+
+
+def test_a_responses_output_with_reasoning_goes_back_as_input(client):
+    # The Responses way of keeping a conversation without storing it: the output items, a reasoning item
+    # among them when the model thinks (SmolLM2 does not: its item is written here as the SDK types it).
+    first = client.responses.create(model="smollm2", input="Name a colour.", temperature=0, max_output_tokens=8,
+                                    store=False)
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "A short name."}],
+                 "content": [{"type": "reasoning_text", "text": "Blue is calm."}]}
+    again = client.responses.create(model="smollm2", temperature=0, max_output_tokens=8, input=[
+        {"role": "user", "content": "Name a colour."}, reasoning, *[item.model_dump() for item in first.output],
+        {"role": "user", "content": "Another one?"}])
+    assert again.status in ("completed", "incomplete") and again.output_text

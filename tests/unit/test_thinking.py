@@ -132,3 +132,97 @@ def test_the_responses_api_says_the_thinking_in_a_reasoning_item(thinker):
     assert whole["output"][1]["content"][0]["text"] == "Blue."
     _, off = thinker.json("POST", "/v1/responses", dict(body, reasoning={"effort": "none"}))
     assert [item["type"] for item in off["output"]] == ["message"]
+
+
+# --- the thinking sent back: each API's history shape reaches the template as `reasoning_content` ---
+
+HISTORY_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+EARLIER = "Blue is calm."
+RENDERED = (f"<|im_start|>user\nA colour?<|im_end|>\n<|im_start|>assistant\n<think>\n{EARLIER}\n</think>\n\n"
+            "Blue.<|im_end|>\n<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture
+def recorder():
+    """A thinking model whose template renders an assistant's `reasoning_content`; `.prompts` are the prompts
+    its rule saw first in each request."""
+    from reame.engine import Engine
+    from tests.fakes.backend import FakeBackend, reply_rule
+    from tests.unit.test_server import Live
+    answer = reply_rule(THOUGHT)
+    histories = []
+
+    def rule(history):
+        histories.append(list(history))
+        return answer(history)
+    backend = FakeBackend(n_ctx=1024, rule=rule, template=HISTORY_TEMPLATE)
+    with Engine(backend) as engine:
+        server = Live(engine)
+        server.prompt = lambda: backend.detokenize(min(histories, key=len)).removeprefix("<s>")
+        server.forget = histories.clear
+        yield server
+        server.close()
+
+
+def asked(server, path, body):
+    server.forget()
+    response, data = server.request("POST", path, body)
+    assert response.status == 200, data
+    return server.prompt()
+
+
+def test_openai_chat_takes_reasoning_content_back(recorder):
+    messages = [ASK[0], {"role": "assistant", "content": "Blue.", "reasoning_content": EARLIER},
+                {"role": "user", "content": "Another?"}]
+    assert asked(recorder, "/v1/chat/completions", {"messages": messages, "max_tokens": 4}) == RENDERED
+    response, data = recorder.request("POST", "/v1/chat/completions", {
+        "messages": [ASK[0], dict(messages[1], reasoning_content=7), messages[2]]})
+    assert response.status == 400 and b"messages[1].reasoning_content" in data
+
+
+def test_anthropic_takes_thinking_blocks_back_and_drops_redacted_ones(recorder):
+    assistant = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": EARLIER, "signature": ""},
+        {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4aDFIT"},
+        {"type": "text", "text": "Blue."}]}
+    body = {"model": "m", "max_tokens": 4, "messages": [ASK[0], assistant, {"role": "user", "content": "Another?"}]}
+    assert asked(recorder, "/v1/messages", body) == RENDERED
+    _, counted = recorder.json("POST", "/v1/messages/count_tokens", body)
+    _, without = recorder.json("POST", "/v1/messages/count_tokens", dict(body, messages=[
+        ASK[0], {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"}]))
+    assert counted["input_tokens"] - without["input_tokens"] == len(f"<think>\n{EARLIER}\n</think>\n\n")
+    response, _ = recorder.request("POST", "/v1/messages", dict(body, messages=[
+        {"role": "user", "content": [{"type": "thinking", "thinking": "mine"}]}]))
+    assert response.status == 400
+
+
+def test_ollama_takes_thinking_back(recorder):
+    messages = [ASK[0], {"role": "assistant", "content": "Blue.", "thinking": EARLIER},
+                {"role": "user", "content": "Another?"}]
+    body = {"model": "m", "messages": messages, "stream": False, "options": {"num_predict": 4}}
+    assert asked(recorder, "/api/chat", body) == RENDERED
+    response, _ = recorder.request("POST", "/api/chat", dict(body, messages=[ASK[0], dict(messages[1], thinking=[])]))
+    assert response.status == 400
+
+
+def test_the_responses_api_takes_its_output_back_as_input(recorder):
+    _, first = recorder.json("POST", "/v1/responses", {"model": "m", "input": "A colour?", "max_output_tokens": 80,
+                                                       "temperature": 0})
+    assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+    thought = first["output"][0]["content"][0]["text"]
+    again = [{"role": "user", "content": "A colour?"}, *first["output"], {"role": "user", "content": "Another?"}]
+    expected = RENDERED.replace(EARLIER, thought)
+    assert asked(recorder, "/v1/responses", {"model": "m", "input": again, "max_output_tokens": 4}) == expected
+    # A summary stands in for the text; through previous_response_id the stored answer keeps its thinking.
+    summarised = [again[0], {"type": "reasoning", "summary": [{"type": "summary_text", "text": EARLIER}]},
+                  again[2], again[3]]
+    assert asked(recorder, "/v1/responses", {"model": "m", "input": summarised, "max_output_tokens": 4}) == RENDERED
+    assert asked(recorder, "/v1/responses", {"model": "m", "input": "Another?", "max_output_tokens": 4,
+                                             "previous_response_id": first["id"]}) == expected
+    response, _ = recorder.request("POST", "/v1/responses", {"model": "m", "input": [
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": 3}]}]})
+    assert response.status == 400

@@ -50,7 +50,9 @@ def text_of(content: Any, where: str) -> str:
 
 def conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Anthropic's system and messages as OpenAI-shaped chat messages (what the templates read): tool_use
-    blocks become an assistant's tool_calls, tool_result blocks tool messages."""
+    blocks become an assistant's tool_calls, tool_result blocks tool messages, an assistant's thinking blocks
+    its `reasoning_content` (a client sends back the thinking it was given; redacted_thinking, encrypted by
+    Anthropic for its own models, is read by none here and dropped)."""
     converted: list[dict[str, Any]] = []
     if body.get("system") is not None:
         converted.append({"role": "system", "content": text_of(body["system"], "system")})
@@ -65,11 +67,15 @@ def conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise HttpError(400, f"{where}.content: must be a string or an array of content blocks", param=where)
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for number, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+            elif kind == "thinking" and message["role"] == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and message["role"] == "assistant":
+                pass
             elif kind == "tool_use" and message["role"] == "assistant" and isinstance(block.get("name"), str):
                 calls.append({"id": str(block.get("id", "")), "type": "function",
                               "function": {"name": block["name"], "arguments": block.get("input") or {}}})
@@ -79,11 +85,14 @@ def conversation(body: dict[str, Any]) -> list[dict[str, Any]]:
                                   "content": ("Error: " + result) if block.get("is_error") else result})
             else:
                 raise HttpError(400, f"{where}.content.{number}: a {kind or 'malformed'} block is not supported "
-                                "here (text, tool_use in assistant turns, tool_result in user turns)", param=where)
-        if texts or calls:
+                                "here (text, thinking and tool_use in assistant turns, tool_result in user turns)",
+                                param=where)
+        if texts or calls or thoughts:
             entry: dict[str, Any] = {"role": message["role"], "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if thoughts:
+                entry["reasoning_content"] = "\n".join(thoughts)
             converted.append(entry)
     return chat_messages(converted)
 

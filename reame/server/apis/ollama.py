@@ -235,6 +235,10 @@ def chat(app: Service, handler: Asker, _path: str) -> None:
         entry = {key: message[key] for key in ("role", "content", "tool_calls") if message.get(key) is not None}
         if message.get("tool_name") is not None:
             entry["name"] = message["tool_name"]
+        if message.get("thinking") is not None:  # an assistant's thinking, sent back as it was given
+            if not isinstance(message["thinking"], str):
+                raise HttpError(400, f"messages[{index}].thinking must be a string", param=f"messages[{index}]")
+            entry["reasoning_content"] = message["thinking"]
         converted.append(entry)
     messages = chat_messages(converted)
     tools = tool_request({"tools": body["tools"]}) if body.get("tools") else None

@@ -32,16 +32,21 @@ MAX_USER = 512
 
 def item_messages(value: Any) -> list[dict[str, Any]]:
     """`input` as chat messages: a string is one user message; items are messages (string content or
-    input_text/output_text parts), function_call items (an assistant's tool calls) and
-    function_call_output items (tool results)."""
+    input_text/output_text parts), function_call items (an assistant's tool calls),
+    function_call_output items (tool results) and reasoning items (the thinking of the assistant message or
+    calls after them: its `reasoning_content`, as a client sends back a response's output)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'input' must be a string or a non-empty array of items", param="input")
     messages: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for index, item in enumerate(value):
         where = f"input[{index}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            thought += reasoning_text(item, where)
+            continue
         if kind == "message" and item.get("role") in ROLES:
             content = item.get("content")
             if isinstance(content, list):
@@ -67,9 +72,26 @@ def item_messages(value: Any) -> list[dict[str, Any]]:
                 raise HttpError(400, f"'{where}.output' must be a string", param=where, code="invalid_type")
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": output})
         else:
-            raise HttpError(400, f"'{where}' is not a message, function_call or function_call_output item this "
-                            "server reads", param=where, code="invalid_value")
+            raise HttpError(400, f"'{where}' is not a message, function_call, function_call_output or reasoning "
+                            "item this server reads", param=where, code="invalid_value")
+        if thought and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + thought
+        thought = ""
     return messages
+
+
+def reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's thinking: its reasoning_text parts, else its summary_text parts (an
+    `encrypted_content` is another server's, and read by none here)."""
+    texts = []
+    for field, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field) or []
+        if not isinstance(parts, list) or not all(isinstance(part, dict) and part.get("type") == part_type and
+                                                  isinstance(part.get("text"), str) for part in parts):
+            raise HttpError(400, f"'{where}.{field}' must be an array of {part_type} parts", param=where,
+                            code="invalid_value")
+        texts.append("".join(part["text"] for part in parts))
+    return texts[0] or texts[1]
 
 
 def tools_of(body: dict[str, Any]) -> ToolRequest | None:
@@ -233,6 +255,8 @@ class Reply:
         response = self.envelope("completed", output, finish)
         if self.store:
             answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                answer["reasoning_content"] = thinking
             if calls:
                 answer["tool_calls"] = [{"id": call.id, "type": "function",
                                          "function": {"name": call.name, "arguments": call.arguments}}
