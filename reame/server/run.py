@@ -13,6 +13,7 @@ import threading
 from typing import Callable
 
 from reame.errors import ListenError
+from reame.heap import return_large_blocks
 from reame.server.settings import ServerSettings
 from reame.server.listener import ReameHTTPServer
 from reame.server.metrics import Sample
@@ -26,6 +27,7 @@ def serve(settings: ServerSettings, models: ModelPool, on_close: Callable[[], No
     """Serve until a signal: the first model is loaded before the server says it is ready, the others when
     a request names them. At the end every model is unloaded, then `on_close` runs (it closes what the models
     share: the semantic cache's embedding model)."""
+    return_large_blocks()
     app = App(settings, models)
     try:
         server = ReameHTTPServer(settings, app)
