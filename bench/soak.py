@@ -26,7 +26,8 @@ grown by at most --max-growth-mb beyond what the prefix cache's RAM tier reports
 holding (its snapshots are kept on purpose, up to cache.ram_mb, 256 MiB by
 default). The server's KV cache directory is a fresh one, so that files of
 earlier runs (mapped by the RAM tier at start) are not counted as this run's.
-Exit status 0 only when every check holds.
+Descriptors opened since the baseline and still open are listed by what they
+point at. Exit status 0 only when every check holds.
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def proc_status(pid: int) -> tuple[int, int, float]:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     return int(fields["Threads"]), fds, int(fields["VmRSS"].split()[0]) / 1024
+
+
+def open_files(pid: int) -> Counter[str]:
+    """What a process's descriptors point at (a path, socket:[inode] or the like), counted."""
+    targets: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets[os.readlink(f"/proc/{pid}/fd/{fd}")] += 1
+        except OSError:  # closed meanwhile
+            pass
+    return targets
 
 
 class Tally:
@@ -262,7 +274,7 @@ def main() -> int:
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, server)
-        baseline = proc_status(server.pid)
+        baseline, files_before = proc_status(server.pid), open_files(server.pid)
         tally, stop = Tally(), threading.Event()
         threads = [threading.Thread(target=client, args=(port, args.seed * 1000 + i, stop, tally, i < args.hostile),
                                     daemon=True) for i in range(args.clients)]
@@ -274,6 +286,7 @@ def main() -> int:
             thread.join(180)
         running, recorded, in_memory = settle(port)
         after = back_to_baseline(server.pid, baseline)
+        files_added = open_files(server.pid) - files_before
         ram_tier_mb = metric(port, "reame_prefix_cache_ram_bytes") / 2**20
     finally:
         server.terminate()
@@ -302,6 +315,8 @@ def main() -> int:
           f"RSS {baseline[2]:.0f} -> {after[2]:.0f} MiB (KV RAM tier {ram_tier_mb:.0f} MiB), "
           f"KV cells recorded {recorded:.0f} / in memory {in_memory:.0f}\n")
     print_table(["check", "holds"], [[name, "yes" if held else "NO"] for name, held in checks.items()])
+    if files_added:
+        print("  open since the baseline: " + ", ".join(f"{target} x{count}" for target, count in files_added.items()))
     for failure in tally.failures[:10]:
         print(f"  failure: {failure}")
     return 0 if all(checks.values()) and tally.counts["completed"] > 0 else 1
