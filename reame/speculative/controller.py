@@ -7,9 +7,9 @@ T(n), where T is the time of a step carrying n tokens. On a GPU, T is flat in
 small n and drafting is nearly free; on two CPU cores it is not, so both are
 measured:
 
-- `CostModel` keeps a moving average of the engine's own decode step times
+- `CostModel` keeps the median of the engine's recent decode step times
   for each number of tokens per step, so it follows the machine as it gets
-  busier or quieter.
+  busier or quieter, and one step slowed by a neighbour does not count.
 - `DraftController` (one per sequence and source) keeps a forgetting estimate
   of that sequence's acceptance and picks the k that maximises the step's
   tokens per second, (Y - 1 + E(k)) / Y * T(n) / T(n + k), where the step
@@ -32,11 +32,13 @@ is off, its guesses are checked against the tokens the model then emits
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import threading
 from dataclasses import dataclass
 
-COST_SMOOTHING = 0.2  # weight of a new observation of a step size's time
+COST_SAMPLES = 5  # a step size's cost is the median of its last this many times
 ACCEPTANCE_DECAY = 0.85  # weight kept by older verifications of one sequence
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.2, 0.8  # a 0.6 acceptance prior worth two verifications
 MODELLED_TOKENS = 64  # steps up to this size feed the cost model
@@ -68,7 +70,12 @@ class CostModel:
     logits, and their cheaper rows would make long drafts look affordable (on SmolLM2-135M, whose
     vocabulary projection is a fifth of its work per row, they did: 20% slower with drafts).
 
-    Kept per n as a moving average, because on a CPU the curve is lumpy, not linear: here
+    Kept per n as the median of its last COST_SAMPLES times, because one step that another process
+    slowed (on two cores a step whose second thread waits for the core takes 5-20x as long) must not
+    set the curve: the moving average this replaced ended a benchmark of five servers on two cores with
+    Qwen2.5-Coder-1.5B's one-row step at 316 ms (45-62 ms traced alone), two rows at 506 and four at
+    138, and the next process started from them. And
+    per n because on a CPU the curve is lumpy, not linear: here
     Qwen2.5-Coder-1.5B took 41 ms for one token, 61 for two, 76 for four and 163 for eight
     (`llama-bench -p 1,2,4,8`): matrix kernels work in tiles of rows. A size never measured is
     estimated from a line through the measured ones (with one size known, each extra token is
@@ -89,7 +96,8 @@ class CostModel:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[int, float] = {}  # size -> the median of its samples
+        self._samples: dict[int, collections.deque[float]] = {}  # size -> its last COST_SAMPLES times
         self._measured_at: dict[int, int] = {}  # size -> the step it was last measured (or seeded) at
         self._built: set[int] = set()  # sizes whose step this process has run (their graph built)
         self._steps = 0
@@ -103,20 +111,23 @@ class CostModel:
                 if self._steps - step > COST_MEMORY_STEPS and size != n_tokens:
                     del self._measured_at[size]
                     self._seconds.pop(size, None)
+                    self._samples.pop(size, None)
             self._measured_at[n_tokens] = self._steps
             if n_tokens not in self._built:
                 self._built.add(n_tokens)
                 return  # the new shape's graph was built in this step
-            known = self._seconds.get(n_tokens)
-            self._seconds[n_tokens] = seconds if known is None else known + COST_SMOOTHING * (seconds - known)
+            samples = self._samples.setdefault(n_tokens, collections.deque(maxlen=COST_SAMPLES))
+            samples.append(seconds)
+            self._seconds[n_tokens] = statistics.median(samples)
 
     def seed(self, seconds: dict[int, float]) -> None:
         """Step times measured before (an earlier process on this machine): known until measured again,
         forgotten like a measurement if no step of that size follows within COST_MEMORY_STEPS."""
         with self._lock:
             for n_tokens, value in seconds.items():
-                if believable_step(n_tokens, value):
-                    self._seconds.setdefault(n_tokens, value)
+                if believable_step(n_tokens, value) and n_tokens not in self._seconds:
+                    self._seconds[n_tokens] = value
+                    self._samples[n_tokens] = collections.deque([value], maxlen=COST_SAMPLES)
                     self._measured_at.setdefault(n_tokens, self._steps)
 
     def snapshot(self) -> dict[int, float]:

@@ -128,6 +128,7 @@ class Speculation:
         # kernel in its order): their own curve (a given `cost` is both).
         self.rowwise_cost = CostModel() if cost is None else cost
         self._cost_memory = cost_memory
+        self._recalled: dict[str, set[int]] = {}  # the sizes of each curve seeded from the memory at warm-up
         self.stats = SpeculationStats(max_draft)
         self._records = {source.name: _SourceRecord() for source in sources}
         self._lock = threading.Lock()
@@ -248,17 +249,23 @@ class Speculation:
     def _recall_costs(self) -> None:
         """Seeds the cost curves with the times processes on this machine measured last."""
         remembered = self._remembered_costs()
+        self._recalled = {name: set(times) for name, times in remembered.items()}
         for name, model in self._curves():
             model.seed(remembered.get(name, {}))
 
     def _keep_costs(self) -> None:
         """Adds this process's step times to the memory, over what other processes (a server with other
-        settings, a one-shot run) kept there."""
+        settings, a one-shot run) kept there. A size this process was seeded with and then forgot (no step
+        of that size for COST_MEMORY_STEPS) leaves the memory too: kept again, a time that looks too dear
+        to be tried would outlive every process that never measures it."""
         if self._cost_memory is None:
             return
         curves = self._remembered_costs()
         for name, model in self._curves():
-            curves.setdefault(name, {}).update(model.snapshot())
+            recalled = self._recalled.get(name, set())
+            kept = {size: seconds for size, seconds in curves.get(name, {}).items() if size not in recalled}
+            kept.update(model.snapshot())
+            curves[name] = kept
         try:
             self._cost_memory.keep(json.dumps(curves))
         except OSError:
