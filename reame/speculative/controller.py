@@ -74,8 +74,8 @@ class CostModel:
     slowed (on two cores a step whose second thread waits for the core takes 5-20x as long) must not
     set the curve: the moving average this replaced ended a benchmark of five servers on two cores with
     Qwen2.5-Coder-1.5B's one-row step at 316 ms (45-62 ms traced alone), two rows at 506 and four at
-    138, and the next process started from them. And
-    per n because on a CPU the curve is lumpy, not linear: here
+    138, and the next process started from them. And per n because on a CPU the curve is lumpy, not
+    linear: here
     Qwen2.5-Coder-1.5B took 41 ms for one token, 61 for two, 76 for four and 163 for eight
     (`llama-bench -p 1,2,4,8`): matrix kernels work in tiles of rows. A size never measured is
     estimated from a line through the measured ones (with one size known, each extra token is
@@ -96,7 +96,7 @@ class CostModel:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seconds: dict[int, float] = {}  # size -> the median of its samples
+        self._seconds: dict[int, float] = {}  # size -> the median of its samples (kept: curve() reads it every step)
         self._samples: dict[int, collections.deque[float]] = {}  # size -> its last COST_SAMPLES times
         self._measured_at: dict[int, int] = {}  # size -> the step it was last measured (or seeded) at
         self._built: set[int] = set()  # sizes whose step this process has run (their graph built)
@@ -121,8 +121,9 @@ class CostModel:
             self._seconds[n_tokens] = statistics.median(samples)
 
     def seed(self, seconds: dict[int, float]) -> None:
-        """Step times measured before (an earlier process on this machine): known until measured again,
-        forgotten like a measurement if no step of that size follows within COST_MEMORY_STEPS."""
+        """Step times measured before (an earlier process on this machine): each one sample of its size
+        until this process's steps outvote it, forgotten like a measurement if no step of that size follows
+        within COST_MEMORY_STEPS."""
         with self._lock:
             for n_tokens, value in seconds.items():
                 if believable_step(n_tokens, value) and n_tokens not in self._seconds:
