@@ -338,7 +338,9 @@ class Palimpsest:
                     log.info("the Palimpsest holds %d tokens of earlier generations", len(self._index))
             archive.sync()
             saved = self._checkpoint(archive, kept, saved)
-            if self._stop.is_set():
+            if self._stop.is_set():  # what ended since this pass took the pending ones goes too
+                self._append_pending(archive)
+                archive.sync()
                 return
             self._wake.wait(SYNC_SECONDS)
             self._wake.clear()

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,32 @@ def test_a_repeated_request_is_drafted_from_its_earlier_answer_even_after_a_rest
     assert again.finish.usage.accepted_draft_tokens >= 54
     other = generate("something else entirely, never asked: ", palimpsest(tmp_path))
     assert other.tokens == generate("something else entirely, never asked: ", None).tokens
+
+
+def test_a_generation_that_ends_as_the_palimpsest_closes_is_archived(tmp_path, monkeypatch):
+    """The flusher may be between taking what ended and its stop check when a generation ends and the server
+    stops: that generation is appended before the flusher goes (it was lost, so a repeat after the restart
+    found its earlier answer missing)."""
+    source = Palimpsest(tmp_path, VOCABULARY, 1 << 20)
+    assert source.loaded.wait(10)
+    past_its_append, release = threading.Event(), threading.Event()
+    checkpoint_of = Palimpsest._checkpoint
+
+    def held_checkpoint(self, *args):
+        past_its_append.set()
+        release.wait(10)
+        return checkpoint_of(self, *args)
+
+    monkeypatch.setattr(Palimpsest, "_checkpoint", held_checkpoint)
+    assert past_its_append.wait(10)
+    record = records(1)[0]
+    source.record(record)
+    closing = threading.Thread(target=source.close)
+    closing.start()
+    assert source._stop.wait(10)
+    release.set()
+    closing.join(10)
+    assert Archive(tmp_path, VOCABULARY, 1 << 20).read_new().frames == [record]
 
 
 def index_of(source):
