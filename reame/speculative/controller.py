@@ -120,21 +120,30 @@ class CostModel:
             samples.append(seconds)
             self._seconds[n_tokens] = statistics.median(samples)
 
-    def seed(self, seconds: dict[int, float]) -> None:
-        """Step times measured before (an earlier process on this machine): each one sample of its size
-        until this process's steps outvote it, forgotten like a measurement if no step of that size follows
-        within COST_MEMORY_STEPS."""
+    def seed(self, seconds: dict[int, float], ages: dict[int, int] | None = None) -> None:
+        """Step times measured before (earlier processes on this machine): each one sample of its size
+        until this process's steps outvote it. `ages`: how many steps ago (theirs) each was last measured
+        (0 when not given); a size not measured within COST_MEMORY_STEPS is forgotten whichever process
+        ran those steps, so a time that looks too dear to try is not believed forever by processes that
+        each run fewer steps than that."""
         with self._lock:
             for n_tokens, value in seconds.items():
-                if believable_step(n_tokens, value) and n_tokens not in self._seconds:
+                age = 0 if ages is None else ages.get(n_tokens, 0)
+                if believable_step(n_tokens, value) and n_tokens not in self._seconds and 0 <= age <= COST_MEMORY_STEPS:
                     self._seconds[n_tokens] = value
                     self._samples[n_tokens] = collections.deque([value], maxlen=COST_SAMPLES)
-                    self._measured_at.setdefault(n_tokens, self._steps)
+                    self._measured_at.setdefault(n_tokens, self._steps - age)
 
     def snapshot(self) -> dict[int, float]:
         """Every size's time as known now (measured or seeded)."""
         with self._lock:
             return dict(self._seconds)
+
+    def ages(self) -> dict[int, int]:
+        """How many steps ago each known size was last measured (a seeded one: by the process before, plus
+        this process's steps since)."""
+        with self._lock:
+            return {size: self._steps - step for size, step in self._measured_at.items() if size in self._seconds}
 
     def measured(self, n_tokens: int) -> bool:
         with self._lock:

@@ -49,6 +49,7 @@ MATCH_CLASSES = (4, 8, 16)  # context matches at least this long start a class o
 # after such a match on Qwen2.5-Coder-1.5B's held-out rewrites. The longest class is a repeat's: after a restart
 # the Palimpsest's copy of a repeated answer drafts at once, not after its guesses were checked for a few tokens.
 CLASS_PRIORS = (0.6, 0.8, 0.95, 0.99)
+COST_CURVES = ("batched", "rowwise")  # the names the cost memory keeps the curves under
 SHADOW_TOKENS = 4  # a guess checked for free is learned from after this many tokens, not after all of it
 
 
@@ -243,50 +244,62 @@ class Speculation:
             source.close()
 
     def _curves(self) -> tuple[tuple[str, CostModel], ...]:
-        """The cost curves by the names they are kept under (one model twice when a `cost` was given)."""
+        """The cost curves by the names they are kept under (COST_CURVES; one model twice when a `cost` was
+        given)."""
         return ("batched", self.cost), ("rowwise", self.rowwise_cost)
 
     def _recall_costs(self) -> None:
         """Seeds the cost curves with the times processes on this machine measured last."""
-        remembered = self._remembered_costs()
+        remembered, ages = self._remembered_costs()
         self._recalled = {name: set(times) for name, times in remembered.items()}
         for name, model in self._curves():
-            model.seed(remembered.get(name, {}))
+            model.seed(remembered.get(name, {}), ages.get(name, {}))
 
     def _keep_costs(self) -> None:
-        """Adds this process's step times to the memory, over what other processes (a server with other
-        settings, a one-shot run) kept there. A size this process was seeded with and then forgot (no step
-        of that size for COST_MEMORY_STEPS) leaves the memory too: kept again, a time that looks too dear
-        to be tried would outlive every process that never measures it."""
+        """Adds this process's step times, and how many steps ago each was measured, to the memory, over
+        what other processes (a server with other settings, a one-shot run) kept there. A size this process
+        was seeded with and then forgot (no step of that size for COST_MEMORY_STEPS, counting the steps of
+        the processes before) leaves the memory too: kept again, a time that looks too dear to be tried
+        would outlive every process that never measures it."""
         if self._cost_memory is None:
             return
-        curves = self._remembered_costs()
+        curves, ages = self._remembered_costs()
         for name, model in self._curves():
             recalled = self._recalled.get(name, set())
             kept = {size: seconds for size, seconds in curves.get(name, {}).items() if size not in recalled}
+            kept_ages = {size: steps for size, steps in ages.get(name, {}).items() if size in kept}
             kept.update(model.snapshot())
-            curves[name] = kept
+            kept_ages.update(model.ages())
+            curves[name], ages[name] = kept, kept_ages
         try:
-            self._cost_memory.keep(json.dumps(curves))
+            self._cost_memory.keep(json.dumps({**curves, "ages": ages}))
         except OSError:
             log.warning("the step costs could not be kept for the next start", exc_info=True)
 
-    def _remembered_costs(self) -> dict[str, dict[int, float]]:
-        """The kept curves, read as the unchecked input they are: only sizes and times a step can have
-        ({} when there are none or they are unreadable), so what is kept again is well formed."""
+    def _remembered_costs(self) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, int]]]:
+        """The kept curves, and how many steps ago each size was measured (a size without an age, as an older
+        process kept it, has none), read as the unchecked input they are: only sizes and times a step can
+        have, ages of those sizes ({} when there are none or they are unreadable), so what is kept again is
+        well formed."""
         if self._cost_memory is None:
-            return {}
+            return {}, {}
         try:
             text = self._cost_memory.recall()
             if text is None:
-                return {}
-            curves = {name: {int(size): float(seconds) for size, seconds in times.items()}
-                      for name, times in json.loads(text).items() if name in ("batched", "rowwise")}
-            return {name: {size: seconds for size, seconds in times.items() if believable_step(size, seconds)}
-                    for name, times in curves.items()}
-        except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+                return {}, {}
+            kept = json.loads(text)
+            curves = {name: {int(size): float(seconds) for size, seconds in kept[name].items()}
+                      for name in COST_CURVES if name in kept}
+            curves = {name: {size: seconds for size, seconds in times.items() if believable_step(size, seconds)}
+                      for name, times in curves.items()}
+            ages = {name: {int(size): int(steps) for size, steps in kept.get("ages", {})[name].items()}
+                    for name in COST_CURVES if name in kept.get("ages", {})}
+            ages = {name: {size: steps for size, steps in sizes.items() if size in curves.get(name, {}) and steps >= 0}
+                    for name, sizes in ages.items()}
+            return curves, ages
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
             log.warning("the remembered step costs are unreadable: measuring them again", exc_info=True)
-            return {}
+            return {}, {}
 
     @staticmethod
     def release(draftings: Sequence[Drafting]) -> None:
