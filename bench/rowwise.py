@@ -58,6 +58,27 @@ def break_even_acceptance(rows: int, step: float, one_row: float) -> str:
     return "never" if needed > rows else f"{high:.2f}"
 
 
+def step_curves(backend: LlamaBackend, sizes: list[int], depth: int, reps: int) -> dict[tuple[int, bool], float]:
+    """The median seconds of a step of each of `sizes` rows, with the batched kernels (False) and row by row
+    (True), after `depth` cells of a real text; the two ways alternated in every round, each shape's first
+    decode (its graph built) left out."""
+    text = backend.tokenize(REPEATED * 40, add_special=False, parse_special=False)
+    history, tokens = text[:depth], text[depth:depth + max(sizes)]
+    for start in range(0, depth, backend.n_batch):
+        chunk = history[start:start + backend.n_batch]
+        backend.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk), [False] * len(chunk))
+    seconds: dict[tuple[int, bool], list[float]] = {}
+    for rows in sizes:  # each shape's graph is built once, uncounted
+        for rowwise in (False, True):
+            step_seconds(backend, tokens[:rows], depth, rowwise)
+    for round_ in range(reps):
+        for rows in sizes:
+            order = (False, True) if round_ % 2 == 0 else (True, False)
+            for rowwise in order:
+                seconds.setdefault((rows, rowwise), []).append(step_seconds(backend, tokens[:rows], depth, rowwise))
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
 def main() -> None:
     parser = bench_parser(__doc__, "qwen2.5-coder-1.5b", tokens=0, reps=7, reps_help="rounds (both ways each)")
     parser.add_argument("--depth", type=int, default=700, help="KV cells held before each step")
@@ -68,23 +89,7 @@ def main() -> None:
     with LlamaBackend(ModelSettings(path, n_ctx=args.depth + 512, n_threads=args.threads)) as backend:
         if not backend.supports_rowwise:
             raise SystemExit("this llama.cpp build has no row-by-row switch (rebuild: python build_zipapp.py --lib)")
-        text = backend.tokenize(REPEATED * 40, add_special=False, parse_special=False)
-        history, tokens = text[:args.depth], text[args.depth:args.depth + max(sizes)]
-        for start in range(0, args.depth, backend.n_batch):
-            chunk = history[start:start + backend.n_batch]
-            backend.decode(chunk, list(range(start, start + len(chunk))), [0] * len(chunk),
-                           [False] * len(chunk))
-        seconds: dict[tuple[int, bool], list[float]] = {}
-        for rows in sizes:  # each shape's graph is built once, uncounted
-            for rowwise in (False, True):
-                step_seconds(backend, tokens[:rows], args.depth, rowwise)
-        for round_ in range(args.reps):
-            for rows in sizes:
-                order = (False, True) if round_ % 2 == 0 else (True, False)
-                for rowwise in order:
-                    seconds.setdefault((rows, rowwise), []).append(
-                        step_seconds(backend, tokens[:rows], args.depth, rowwise))
-    median = {key: statistics.median(values) for key, values in seconds.items()}
+        median = step_curves(backend, sizes, args.depth, args.reps)
     table = []
     for rows in sizes:
         batched, alone = median[(rows, False)], median[(rows, True)]
