@@ -244,9 +244,8 @@ class Speculation:
             source.close()
 
     def _curves(self) -> tuple[tuple[str, CostModel], ...]:
-        """The cost curves by the names they are kept under (COST_CURVES; one model twice when a `cost` was
-        given)."""
-        return ("batched", self.cost), ("rowwise", self.rowwise_cost)
+        """The cost curves by the names they are kept under (one model twice when a `cost` was given)."""
+        return tuple(zip(COST_CURVES, (self.cost, self.rowwise_cost)))
 
     def _recall_costs(self) -> None:
         """Seeds the cost curves with the times processes on this machine measured last."""
@@ -277,10 +276,10 @@ class Speculation:
             log.warning("the step costs could not be kept for the next start", exc_info=True)
 
     def _remembered_costs(self) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, int]]]:
-        """The kept curves, and how many steps ago each size was measured (a size without an age, as an older
-        process kept it, has none), read as the unchecked input they are: only sizes and times a step can
-        have, ages of those sizes ({} when there are none or they are unreadable), so what is kept again is
-        well formed."""
+        """The kept curves, and how many steps ago each size was measured (a size kept by an older process,
+        without one, counts as just measured), read as the unchecked input they are: only sizes and times a
+        step can have, and counts of steps for those sizes ({} when there are none or they are unreadable),
+        so what is kept again is well formed."""
         if self._cost_memory is None:
             return {}, {}
         try:
