@@ -109,7 +109,8 @@ def no_drafts(answer: Sequence[int], step: Curve) -> float:
 
 def ngram_simple(prompt: Sequence[int], answer: Sequence[int], step: Curve) -> float:
     """common_ngram_simple_draft at every step: the pattern is the last NGRAM_N tokens (the sampled one
-    last), found searching back from before itself; its following tokens drafted when at least NGRAM_N."""
+    last), found searching back from before itself; its following tokens drafted when at least NGRAM_N of
+    them are there, cut to the tokens the answer may still have."""
     tokens, at, seconds = [*prompt, answer[0]], 1, 0.0
     while at < len(answer):
         drafts: list[int] = []
@@ -118,9 +119,9 @@ def ngram_simple(prompt: Sequence[int], answer: Sequence[int], step: Curve) -> f
             pattern = history[length - NGRAM_N + 1:] + tokens[-1:]
             for start in range(length - NGRAM_N - 1, 0, -1):
                 if history[start:start + NGRAM_N] == pattern:
-                    copy = min(NGRAM_M, length - (start + NGRAM_N), len(answer) - at - 1)
-                    if copy >= NGRAM_N:
-                        drafts = history[start + NGRAM_N:start + NGRAM_N + copy]
+                    copy = min(NGRAM_M, length - (start + NGRAM_N))
+                    if copy >= NGRAM_N:  # then cut to the answer's room, as common_speculative_draft does
+                        drafts = history[start + NGRAM_N:start + NGRAM_N + min(copy, len(answer) - at - 1)]
                     break
         run = accepted(drafts, answer, at)
         seconds += step(1 + len(drafts))
