@@ -39,7 +39,7 @@ import json
 import os
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from common import bench_parser, machine, model_path, print_table, server_command
@@ -51,7 +51,7 @@ from server import ServerGroup
 from reame.model.backend import ModelSettings
 from reame.model.llama import LlamaBackend
 from reame.native import LLAMA_COMMIT
-from reame.speculative import PromptLookup, Speculation
+from reame.speculative import Drafting, PromptLookup, Speculation
 from reame.speculative.controller import MODELLED_TOKENS
 from reame.speculative.palimpsest import Palimpsest
 
@@ -107,27 +107,41 @@ def no_drafts(answer: Sequence[int], step: Curve) -> float:
     return (len(answer) - 1) * step(1)
 
 
+def decode_seconds(answer: Sequence[int], step: Curve, draft: Callable[[int], list[int]],
+                   emitted: Callable[[Sequence[int], int, int], None]) -> float:
+    """The decode time after the first token when each step verifies `draft(at)`'s tokens: the model emits
+    the run of them it accepts and its own next token, told to `emitted(tokens, drafted, accepted)`."""
+    at, seconds = 1, 0.0
+    while at < len(answer):
+        drafts = draft(at)
+        run = accepted(drafts, answer, at)
+        seconds += step(1 + len(drafts))
+        emitted(answer[at:at + run + 1], len(drafts), run)
+        at += run + 1
+    return seconds
+
+
 def ngram_simple(prompt: Sequence[int], answer: Sequence[int], step: Curve) -> float:
     """common_ngram_simple_draft at every step: the pattern is the last NGRAM_N tokens (the sampled one
     last), found searching back from before itself; its following tokens drafted when at least NGRAM_N of
     them are there, cut to the tokens the answer may still have."""
-    tokens, at, seconds = [*prompt, answer[0]], 1, 0.0
-    while at < len(answer):
-        drafts: list[int] = []
+    tokens = [*prompt, answer[0]]
+
+    def draft(at: int) -> list[int]:
         history, length = tokens[:-1], len(tokens) - 1
-        if length > NGRAM_N + NGRAM_M + 1:
-            pattern = history[length - NGRAM_N + 1:] + tokens[-1:]
-            for start in range(length - NGRAM_N - 1, 0, -1):
-                if history[start:start + NGRAM_N] == pattern:
-                    copy = min(NGRAM_M, length - (start + NGRAM_N))
-                    if copy >= NGRAM_N:  # then cut to the answer's room, as common_speculative_draft does
-                        drafts = history[start + NGRAM_N:start + NGRAM_N + min(copy, len(answer) - at - 1)]
-                    break
-        run = accepted(drafts, answer, at)
-        seconds += step(1 + len(drafts))
-        tokens.extend(answer[at:at + run + 1])
-        at += run + 1
-    return seconds
+        if length <= NGRAM_N + NGRAM_M + 1:
+            return []
+        pattern = history[length - NGRAM_N + 1:] + tokens[-1:]
+        for start in range(length - NGRAM_N - 1, 0, -1):
+            if history[start:start + NGRAM_N] == pattern:
+                copy = min(NGRAM_M, length - (start + NGRAM_N))
+                if copy < NGRAM_N:
+                    return []
+                # then cut to the answer's room, as common_speculative_draft does
+                return history[start + NGRAM_N:start + NGRAM_N + min(copy, len(answer) - at - 1)]
+        return []
+
+    return decode_seconds(answer, step, draft, lambda emitted, drafted, run: tokens.extend(emitted))
 
 
 def reame(answers: list[Answer], step: Curve, palimpsest_dir: Path) -> list[float]:
@@ -141,17 +155,19 @@ def reame(answers: list[Answer], step: Curve, palimpsest_dir: Path) -> list[floa
         for prompt, answer in answers:
             draftings = speculation.start(prompt)
             speculation.observe(draftings, answer[:1])
-            at, seconds = 1, 0.0
-            while at < len(answer):
-                drafting, drafts = speculation.propose(draftings, 1, 1, len(answer) - at - 1, rowwise=True)
-                run = accepted(drafts, answer, at)
-                seconds += step(1 + len(drafts))
-                if drafting is not None:
-                    speculation.verified(drafting, len(drafts), run)
-                speculation.observe(draftings, answer[at:at + run + 1])
-                at += run + 1
+            proposed: list[Drafting | None] = [None]  # the source of the draft being verified
+
+            def draft(at: int) -> list[int]:
+                proposed[0], drafts = speculation.propose(draftings, 1, 1, len(answer) - at - 1, rowwise=True)
+                return drafts
+
+            def emitted(tokens: Sequence[int], drafted: int, run: int) -> None:
+                if proposed[0] is not None:
+                    speculation.verified(proposed[0], drafted, run)
+                speculation.observe(draftings, tokens)
+
+            times.append(decode_seconds(answer, step, draft, emitted))
             speculation.release(draftings)
-            times.append(seconds)
     finally:
         speculation.close()
     return times
@@ -161,15 +177,13 @@ def ceiling(prompt: Sequence[int], answer: Sequence[int], step: Curve) -> float:
     """Prompt lookup's guess cut to the run the model accepts, drafted when cheaper than plain steps."""
     lookup = PromptLookup().drafter(prompt)
     lookup.observe(answer[:1])
-    at, seconds = 1, 0.0
-    while at < len(answer):
-        run = accepted(lookup.propose(min(MAX_DRAFT, len(answer) - at - 1)), answer, at)
-        if run and step(1 + run) >= (1 + run) * step(1):
-            run = 0
-        seconds += step(1 + run)
-        lookup.observe(answer[at:at + run + 1])
-        at += run + 1
-    return seconds
+
+    def draft(at: int) -> list[int]:
+        guess = lookup.propose(min(MAX_DRAFT, len(answer) - at - 1))
+        run = accepted(guess, answer, at)
+        return guess[:run] if run and step(1 + run) < (1 + run) * step(1) else []
+
+    return decode_seconds(answer, step, draft, lambda emitted, drafted, run: lookup.observe(emitted))
 
 
 def main() -> None:

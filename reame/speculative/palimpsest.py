@@ -321,8 +321,7 @@ class Palimpsest:
                 index = ContinuationIndex()
                 for frame in new.frames:
                     if self._stop.is_set():  # closing while reading: keep what ended meanwhile, and go
-                        self._append_pending(archive)
-                        archive.sync()
+                        self._flush(archive)
                         self.loaded.set()
                         return
                     index.add(frame)
@@ -339,8 +338,7 @@ class Palimpsest:
             archive.sync()
             saved = self._checkpoint(archive, kept, saved)
             if self._stop.is_set():  # what ended since this pass took the pending ones goes too
-                self._append_pending(archive)
-                archive.sync()
+                self._flush(archive)
                 return
             self._wake.wait(SYNC_SECONDS)
             self._wake.clear()
@@ -368,6 +366,11 @@ class Palimpsest:
             arrays = [values[:] for values in index.arrays()]  # copies: the engine adds to the index meanwhile
         checkpoint.save(kept, *position, arrays, TABLE_BITS)
         return len(arrays[0])
+
+    def _flush(self, archive: Archive) -> None:
+        """The last pass before the flusher stops: what ended and is not appended yet goes, and to the disk."""
+        self._append_pending(archive)
+        archive.sync()
 
     def _append_pending(self, archive: Archive) -> None:
         with self._lock:

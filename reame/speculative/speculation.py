@@ -287,14 +287,14 @@ class Speculation:
             if text is None:
                 return {}, {}
             kept = json.loads(text)
-            curves = {name: {int(size): float(seconds) for size, seconds in kept[name].items()}
-                      for name in COST_CURVES if name in kept}
-            curves = {name: {size: seconds for size, seconds in times.items() if believable_step(size, seconds)}
-                      for name, times in curves.items()}
-            ages = {name: {int(size): int(steps) for size, steps in kept.get("ages", {})[name].items()}
-                    for name in COST_CURVES if name in kept.get("ages", {})}
-            ages = {name: {size: steps for size, steps in sizes.items() if size in curves.get(name, {}) and steps >= 0}
-                    for name, sizes in ages.items()}
+            kept_ages = kept.get("ages", {})
+            curves: dict[str, dict[int, float]] = {}
+            ages: dict[str, dict[int, int]] = {}
+            for name in COST_CURVES:
+                times = {int(size): float(seconds) for size, seconds in kept.get(name, {}).items()}
+                curves[name] = {size: seconds for size, seconds in times.items() if believable_step(size, seconds)}
+                steps = {int(size): int(count) for size, count in kept_ages[name].items()} if name in kept_ages else {}
+                ages[name] = {size: count for size, count in steps.items() if size in curves[name] and count >= 0}
             return curves, ages
         except (OSError, ValueError, TypeError, AttributeError, RecursionError, OverflowError):
             log.warning("the remembered step costs are unreadable: measuring them again", exc_info=True)
