@@ -38,6 +38,8 @@ SUITE = (
           ("--model", "smollm2-135m", "--model", "qwen2.5-coder-1.5b"),
           ("--model", "smollm2-135m", "--reps", "2", "--tokens", "64"), needs=("native", "portable")),
     Bench("sampling", "Sampling inside the decode graph vs on the CPU", (), ("--reps", "2", "--tokens", "64")),
+    Bench("grammar_fallback", "A greedy draw the grammar refuses: the best allowed ranked token vs the whole vocab",
+          (), ("--model", "smollm2-135m", "--texts", "3", "--tokens", "48"), needs=("native",)),
     Bench("server", "HTTP single stream vs llama-server",
           ("--model", "qwen2.5-coder-1.5b"), ("--reps", "2", "--tokens", "64")),
     Bench("concurrency", "Concurrent streams vs llama-server -np N",

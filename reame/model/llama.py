@@ -21,7 +21,7 @@ from reame.model.backend import (DECODE_INTERRUPTED, DECODE_NO_KV_SLOT, DECODE_O
 from reame.model.embedding import EmbeddingContext
 from reame.model.library import forget_llama_errors, last_llama_error
 from reame.model.loaded_model import LoadedModel
-from reame.model.sampler_chain import GrammarOnRejection, new_chain
+from reame.model.sampler_chain import Candidates, GrammarOnRejection, new_chain
 from reame.model.sampling import Step
 
 # What ggml's per-thread reference-kernel flag (Reame's patch) was last set to on each decoding thread.
@@ -47,6 +47,7 @@ class LlamaBackend(LoadedModel):
         self._batch = None
         self._threadpool: int | None = None
         self._attached: dict[object, int] = {}  # sampler chain -> the sequence it samples in-graph
+        self._candidates: Candidates | None = None  # the greedy grammar fallback's scratch (GrammarOnRejection)
         self._embedder: EmbeddingContext | None = None  # made by the first `embed`
         forget_llama_errors()
 
@@ -191,7 +192,9 @@ class LlamaBackend(LoadedModel):
         asked only about the token drawn without it, and over the vocabulary only when it refuses that."""
         kinds = [step.kind for step in steps]
         if kinds[:1] == ["grammar"] and "penalties" not in kinds and seq_id is None:
-            return GrammarOnRejection.of(self._api, self._vocab, self.n_vocab, steps)
+            if self._candidates is None:
+                self._candidates = Candidates(self.n_vocab)
+            return GrammarOnRejection.of(self._api, self._vocab, self.n_vocab, steps, self._candidates)
         return self._chain(steps, seq_id)
 
     def _chain(self, steps: Sequence[Step], seq_id: int | None = None) -> object:

@@ -1,6 +1,7 @@
 """Structured output on the real model: llama.cpp takes every grammar the converter writes, answers always
 validate, and Il Suggeritore leaves greedy answers unchanged while its drafts are accepted."""
 
+import ctypes
 import json
 
 import jsonschema
@@ -8,6 +9,7 @@ import pytest
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
 from reame.model.llama import LlamaBackend
+from reame.model.sampler_chain import RANKED_CANDIDATES
 from reame.structured.json_schema import schema_to_gbnf
 from reame.model.sampling import chain_steps
 from reame.speculative import Speculation
@@ -68,15 +70,18 @@ def test_il_suggeritore_drafts_forced_text_and_greedy_answers_do_not_change(nati
     assert plain_prefill == n_prompt < fast_prefill  # `{"city": "` drafted after the prompt's last token
 
 
-def test_the_grammar_checks_only_the_drawn_token_and_picks_what_applying_it_everywhere_picks(backend):
-    """The sampler asks the grammar about the unconstrained draw and resamples only when it is refused;
-    greedy, every token equals the grammar-masked argmax of a chain that applies the grammar to the whole
-    vocabulary."""
-    steps = chain_steps(SamplingParams(temperature=0, grammar=schema_to_gbnf(SCHEMAS[1])))
+@pytest.mark.parametrize("bias", [{}, {"\n": 4.0, " ": 2.0}], ids=["greedy", "greedy with a logit bias"])
+def test_the_grammar_checks_only_the_drawn_token_and_picks_what_applying_it_everywhere_picks(backend, bias):
+    """The sampler asks the grammar about the unconstrained draw and, when it is refused, about the best-ranked
+    tokens before the whole vocabulary; greedy (a logit bias included), every token equals the grammar-masked
+    argmax of a chain that applies the grammar to the whole vocabulary."""
+    logit_bias = {backend.tokenize(text, add_special=False)[0]: value for text, value in bias.items()}
+    steps = chain_steps(SamplingParams(temperature=0, grammar=schema_to_gbnf(SCHEMAS[1]), logit_bias=logit_bias))
     checked, everywhere = backend.new_sampler(steps), backend._chain(steps)
-    refusals = []
-    allows = checked.allows
+    refusals, ranked = [], []
+    allows, best_allowed = checked.allows, checked._best_allowed
     checked.allows = lambda api, token: allows(api, token) or refusals.append(token)
+    checked._best_allowed = lambda api, ctx, index: ranked.append(best_allowed(api, ctx, index)) or ranked[-1]
     prompt = backend.tokenize(backend.apply_chat_template([{"role": "user", "content": "Rome's weather, in YAML."}]))
     backend.decode(prompt, range(len(prompt)), [0] * len(prompt), [False] * (len(prompt) - 1) + [True])
     index, position, answer = len(prompt) - 1, len(prompt), []
@@ -92,3 +97,44 @@ def test_the_grammar_checks_only_the_drawn_token_and_picks_what_applying_it_ever
     backend.free_sampler(everywhere)
     jsonschema.validate(json.loads(backend.detokenize(answer)), SCHEMAS[1])
     assert refusals  # asked for YAML, the model's own choices were refused and drawn again
+    assert len(ranked) == len(refusals) and any(token is not None for token in ranked)
+
+
+class LogitsOf:
+    """llama's API with the logits of every row replaced by `logits`: the ranking and the grammar are llama's."""
+
+    def __init__(self, api, logits):
+        self._api, self._logits = api, logits
+
+    def llama_get_logits_ith(self, ctx, index):
+        return ctypes.cast(self._logits, ctypes.POINTER(ctypes.c_float))
+
+    def __getattr__(self, name):
+        return getattr(self._api, name)
+
+
+def test_a_refused_greedy_draw_is_the_best_ranked_allowed_token_unless_it_ties_or_none_is_ranked(backend):
+    """Of tokens the grammar allows, the best by logit replaces a refused greedy draw when it stands alone at its
+    logit among the RANKED_CANDIDATES best; a tie, or no allowed token among them, is left to the whole vocabulary
+    (None), whose pick between equals follows llama's own order."""
+    sampler = backend.new_sampler(chain_steps(SamplingParams(temperature=0, grammar='root ::= "x" | "y"')))
+    x, y = (backend.tokenize(letter, add_special=False)[0] for letter in "xy")
+    logits = (ctypes.c_float * backend.n_vocab)()
+    api = LogitsOf(backend._api, logits)
+
+    def best(scores: dict[int, float]) -> int | None:
+        ctypes.memset(logits, 0, ctypes.sizeof(logits))
+        for token, score in scores.items():
+            logits[token] = score
+        return sampler._best_allowed(api, None, 0)
+
+    try:
+        assert best({x: 5.0, y: 4.0, max(x, y) + 1: 9.0}) == x  # the best refused, the next allowed
+        assert best({x: 4.0, y: 5.0}) == y
+        assert best({x: 5.0, y: 5.0}) is None  # equals: llama's greedy picks the lower id; not guessed here
+        assert best({x: -1.0, y: -1.0}) is None  # every ranked token has 0.0 and the grammar refuses them all
+        ranked_ahead = {token: 1.0 for token in range(RANKED_CANDIDATES + 8) if token not in (x, y)}
+        assert best({**ranked_ahead, x: 0.5}) is None
+        assert best({**{token: 1.0 for token in range(RANKED_CANDIDATES - 8) if token not in (x, y)}, x: 0.5}) == x
+    finally:
+        backend.free_sampler(sampler)
