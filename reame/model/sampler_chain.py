@@ -55,7 +55,7 @@ def new_chain(api: Any, vocab: Any, n_vocab: int, steps: Sequence[Step]) -> obje
 # A greedy draw the grammar refuses is replaced by the best of this many tokens (by logit) that it allows, when
 # one of them is. Over JSON triage (bench/grammar_fallback.py) 1,024 settled 82-92% of refusals, 32 only 45-60%;
 # a refusal then cost 3.5 ms instead of 6.4 on SmolLM2-135M and 6.8 instead of 18.6 on Qwen2.5-Coder-1.5B, whose
-# 151,936 tokens took 57 ms to walk through the grammar inside a server.
+# 151,936 tokens took 40-57 ms to walk through the grammar inside a server.
 RANKED_CANDIDATES = 1024
 NEG_INF = float("-inf")
 
