@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from common import bench_parser, machine, model_path, print_table, rotated
 from held_out import TICKET_SCHEMA, requests
@@ -33,17 +34,28 @@ from reame.structured.json_schema import schema_to_gbnf
 SAMPLERS = ("ranked", "whole vocabulary on refusal", "grammar on every token")
 
 
+@dataclass
+class Tally:
+    """What one run of `measure` counted: each sampler's seconds, and the answers' tokens, refusals and steps."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SAMPLERS, 0.0))
+    tokens: int = 0
+    refusals: int = 0
+    settled: int = 0  # refusals the ranking answered
+    steps: int = 0
+    decode: float = 0.0  # seconds of those steps
+
+
 def timed(sample: Callable[[], int]) -> tuple[int, float]:
     started = time.perf_counter()
     token = sample()
     return token, time.perf_counter() - started
 
 
-def measure(backend: LlamaBackend, prompts: list[str], tokens: int) -> dict[str, float]:
-    """Decodes each prompt's greedy answer; the three samplers' seconds per step, summed, and the counts."""
+def measure(backend: LlamaBackend, prompts: list[str], tokens: int) -> Tally:
+    """Decodes each prompt's greedy answer, drawing every token with the three samplers."""
     steps = chain_steps(SamplingParams(temperature=0, grammar=schema_to_gbnf(TICKET_SCHEMA)), backend.eog_tokens())
-    seconds = dict.fromkeys(SAMPLERS, 0.0)
-    counts = {"tokens": 0, "refusals": 0, "settled": 0, "steps": 0, "decode": 0.0}
+    tally = Tally()
     for prompt_text in prompts:
         backend.seq_rm(0)
         samplers = {SAMPLERS[0]: backend.new_sampler(steps),
@@ -54,12 +66,12 @@ def measure(backend: LlamaBackend, prompts: list[str], tokens: int) -> dict[str,
 
         def counted_allows(api: object, token: int) -> bool:
             allowed = allows(api, token)
-            counts["refusals"] += not allowed
+            tally.refusals += not allowed
             return allowed
 
         def counted_best(api: object, ctx: object, index: int) -> int | None:
             best = best_allowed(api, ctx, index)
-            counts["settled"] += best is not None
+            tally.settled += best is not None
             return best
 
         ranked.allows, ranked._best_allowed = counted_allows, counted_best
@@ -71,22 +83,22 @@ def measure(backend: LlamaBackend, prompts: list[str], tokens: int) -> dict[str,
                 drawn = {}
                 for name in rotated(SAMPLERS, step):
                     drawn[name], spent = timed(lambda: backend.sample(samplers[name], index))
-                    seconds[name] += spent
+                    tally.seconds[name] += spent
                 if len(set(drawn.values())) != 1:
                     raise SystemExit(f"the samplers disagree at token {step}: {drawn}")
                 token = drawn[SAMPLERS[0]]
-                counts["tokens"] += 1
+                tally.tokens += 1
                 if backend.is_eog(token):
                     break
                 started = time.perf_counter()
                 backend.decode([token], [position], [0], [True])
-                counts["decode"] += time.perf_counter() - started
-                counts["steps"] += 1
+                tally.decode += time.perf_counter() - started
+                tally.steps += 1
                 index, position = 0, position + 1
         finally:
             for sampler in samplers.values():
                 backend.free_sampler(sampler)
-    return {**seconds, **counts}
+    return tally
 
 
 def main() -> None:
@@ -99,13 +111,13 @@ def main() -> None:
         with LlamaBackend(ModelSettings(str(model_path(model)), n_ctx=2048, n_threads=args.threads)) as backend:
             measure(backend, prompts[:1], 8)  # warm up
             got = measure(backend, prompts, args.tokens)
-        refusals, tokens = max(int(got["refusals"]), 1), int(got["tokens"])
-        rows.append([model, str(backend.n_vocab), str(tokens), f"{got['refusals'] / tokens:.0%}",
-                     f"{got['settled'] / refusals:.0%}",
-                     *(f"{got[name] / refusals * 1000:.2f}" for name in SAMPLERS[:2]),
-                     *(f"{got[name] / tokens * 1000:.2f}" for name in SAMPLERS),
-                     f"{got['decode'] / max(got['steps'], 1) * 1000:.1f}",
-                     f"{(got['decode'] + got[SAMPLERS[1]]) / (got['decode'] + got[SAMPLERS[0]]):.2f}x"])
+        refusals, tokens, seconds = max(got.refusals, 1), got.tokens, got.seconds
+        rows.append([model, str(backend.n_vocab), str(tokens), f"{got.refusals / tokens:.0%}",
+                     f"{got.settled / refusals:.0%}",
+                     *(f"{seconds[name] / refusals * 1000:.2f}" for name in SAMPLERS[:2]),
+                     *(f"{seconds[name] / tokens * 1000:.2f}" for name in SAMPLERS),
+                     f"{got.decode / max(got.steps, 1) * 1000:.1f}",
+                     f"{(got.decode + seconds[SAMPLERS[1]]) / (got.decode + seconds[SAMPLERS[0]]):.2f}x"])
     print(f"machine: {machine()} · llama.cpp {LLAMA_COMMIT} · {args.threads} threads · {len(prompts)} tickets, "
           f"greedy under a JSON schema, at most {args.tokens} tokens · ranked: the best {RANKED_CANDIDATES}\n")
     print_table(["model", "vocabulary", "tokens", "draws refused", "refusals ranked",

@@ -189,7 +189,8 @@ class LlamaBackend(LoadedModel):
 
     def new_sampler(self, steps: Sequence[Step], seq_id: int | None = None) -> object:
         """A sampler for `steps`. A grammar without penalties gets a `GrammarOnRejection`: the grammar is
-        asked only about the token drawn without it, and over the vocabulary only when it refuses that."""
+        asked only about the token drawn without it and, when it refuses that, greedy, about the best-ranked
+        tokens (this backend's `Candidates`), over the whole vocabulary only when none of those settles it."""
         kinds = [step.kind for step in steps]
         if kinds[:1] == ["grammar"] and "penalties" not in kinds and seq_id is None:
             if self._candidates is None:

@@ -11,7 +11,7 @@ from typing import Any
 from reame.ctypes_llama import types as t  # plain ctypes declarations: importing it loads no library
 from reame.errors import ModelError
 from reame.model.library import last_llama_error
-from reame.model.sampling import Step
+from reame.model.sampling import NEG_INF, Step
 
 
 def new_chain(api: Any, vocab: Any, n_vocab: int, steps: Sequence[Step]) -> object:
@@ -57,7 +57,6 @@ def new_chain(api: Any, vocab: Any, n_vocab: int, steps: Sequence[Step]) -> obje
 # a refusal then cost 3.5 ms instead of 6.4 on SmolLM2-135M and 6.8 instead of 18.6 on Qwen2.5-Coder-1.5B, whose
 # 151,936 tokens took 40-57 ms to walk through the grammar inside a server.
 RANKED_CANDIDATES = 1024
-NEG_INF = float("-inf")
 
 
 class Candidates:
