@@ -67,18 +67,18 @@ def test_a_template_that_does_not_compile_is_a_model_error():
 
 def bounded(work):
     """Run `work()`: (what it raised, CPU seconds, peak bytes allocated)."""
-    import time
     import tracemalloc
+    from tests.cpu import cpu_clock
     tracemalloc.start()
-    started = time.process_time()
-    try:
-        work()
-        raised = None
-    except (RequestError, ModelError) as error:
-        raised = error
-    seconds, peak = time.process_time() - started, tracemalloc.get_traced_memory()[1]
+    raised = None
+    with cpu_clock(pause_collector=False) as clock:
+        try:
+            work()
+        except (RequestError, ModelError) as error:
+            raised = error
+    peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return raised, seconds, peak
+    return raised, clock.seconds, peak
 
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -4,7 +4,6 @@ a bound of CPU time and memory (hypothesis fuzz with both measured, not only "no
 
 import gc
 import os
-import time
 import tracemalloc
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reame.engine import Engine, GenerationRequest, SamplingParams
+from tests.cpu import cpu_clock
 from tests.fakes.backend import EOS, N_VOCAB, FakeBackend
 from reame.structured.grammar import GrammarError, GrammarState, GrammarTooAmbiguous
 from reame.structured.gbnf import CACHE_BYTES, MAX_ELEMENTS, MAX_REPETITION, compiled, parse_gbnf
@@ -28,16 +28,16 @@ AMBIGUOUS = 'root ::= a\na ::= "x" a "y"? | "x"'  # a state per "x" read, each a
 def measured(work):
     """Run `work()`; return (its result or the GrammarError it raised, CPU seconds, peak bytes allocated)."""
     tracemalloc.start()
-    started = time.process_time()
     try:
-        outcome = work()
-    except GrammarError as error:
-        outcome = error
-    finally:
-        seconds = time.process_time() - started
+        with cpu_clock(pause_collector=False) as clock:
+            try:
+                outcome = work()
+            except GrammarError as error:
+                outcome = error
         peak = tracemalloc.get_traced_memory()[1]
+    finally:
         tracemalloc.stop()
-    return outcome, seconds, peak
+    return outcome, clock.seconds, peak
 
 
 def assert_bounded(work):
