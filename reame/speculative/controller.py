@@ -45,6 +45,10 @@ MODELLED_TOKENS = 64  # steps up to this size feed the cost model
 COST_MEMORY_STEPS = 1000  # a step size not measured for this many steps is estimated again
 MAX_STEP_SECONDS = 60.0  # a remembered step time past this is not believed
 PRIOR_SLOPE = 0.5  # before a bigger step was measured: each extra token costs half a one-token step
+# A remembered step of n rows that took longer than this many times n one-row steps was slowed by a neighbour:
+# no kernel computes rows that much slower together than one by one (a SmolLM2-135M server run beside a test
+# suite kept 2 rows at 1.6 s and 13 at 3.0 s against 9 ms for one, and its successor never drafted).
+UNBELIEVABLE_ROWS_FACTOR = 2.0
 REPROBE_STEPS = 32
 PROBE_DRAFT = 1
 PROBE_BUDGET = 0.02  # share of the plain steps' time a re-probe may cost
@@ -122,13 +126,17 @@ class CostModel:
 
     def seed(self, seconds: dict[int, float], ages: dict[int, int] | None = None) -> None:
         """Step times measured before (earlier processes on this machine): each one sample of its size
-        until this process's steps outvote it. `ages`: how many steps ago (theirs) each was last measured
-        (0 when not given); a size not measured within COST_MEMORY_STEPS is forgotten whichever process
-        ran those steps, so a time that looks too dear to try is not believed forever by processes that
-        each run fewer steps than that."""
+        until this process's steps outvote it; a size whose time is unbelievable beside the remembered
+        one-row step (UNBELIEVABLE_ROWS_FACTOR) is not seeded. `ages`: how many steps ago (theirs) each was
+        last measured (0 when not given); a size not measured within COST_MEMORY_STEPS is forgotten whichever
+        process ran those steps, so a time that looks too dear to try is not believed forever by processes
+        that each run fewer steps than that."""
+        one_row = seconds.get(1)
         with self._lock:
             for n_tokens, value in seconds.items():
                 age = 0 if ages is None else ages.get(n_tokens, 0)
+                if one_row is not None and value > UNBELIEVABLE_ROWS_FACTOR * n_tokens * one_row:
+                    continue  # estimated from the believable sizes instead, and tried again when it pays
                 if believable_step(n_tokens, value) and n_tokens not in self._seconds and 0 <= age <= COST_MEMORY_STEPS:
                     self._seconds[n_tokens] = value
                     self._samples[n_tokens] = collections.deque([value], maxlen=COST_SAMPLES)

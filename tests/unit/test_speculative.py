@@ -472,6 +472,15 @@ def test_a_step_slowed_by_a_neighbour_does_not_set_the_curve_a_lasting_change_do
     assert step_seconds(seeded, 1) == pytest.approx(0.05), "a remembered outlier is one vote, outvoted"
 
 
+def test_a_remembered_step_far_dearer_than_its_rows_one_by_one_is_not_believed():
+    """A size a neighbour slowed when it was last measured would look too dear to draft for, and so never be
+    measured again: past twice its rows' one-row cost it is estimated from the other sizes instead."""
+    cost = CostModel()
+    cost.seed({1: 0.01, 2: 1.6, 4: 0.03, 8: 0.16})
+    assert cost.snapshot() == {1: 0.01, 4: 0.03, 8: 0.16}
+    assert step_seconds(cost, 2) < 0.03
+
+
 def test_costs_below_every_measured_size_and_long_prefills_stay_sane():
     """The first decode after a short prompt knows only the prompt's step: no zero, no negative cost."""
     for prompt_tokens in (2, 3, 9, 40):
