@@ -16,7 +16,8 @@ from tests.fakes.backend import FakeBackend
 from reame.speculative import Speculation
 from reame.speculative import checkpoint
 from reame.speculative.archive import FRAME, HEADER, Archive
-from reame.speculative.palimpsest import ContinuationIndex, Palimpsest, vocabulary_hash
+from reame.speculative.palimpsest import FORCED_MATCH_EVIDENCE, ContinuationIndex, Palimpsest, vocabulary_hash
+from reame.structured.gbnf import compiled
 
 from .test_speculative import FrozenCost
 
@@ -187,6 +188,23 @@ def test_after_a_divergence_the_draft_goes_on_from_the_archived_answer_once_a_to
     assert source.continuation(PROMPT + emitted, 8) == []  # the keys see only a context new to the archive
     assert following(source, emitted) == ANSWER[resumes_at:resumes_at + 8]
     assert following(source, emitted[:-1]) == []  # not before: the texts may have parted
+    source.close()
+
+
+def test_under_a_grammar_a_match_within_the_answer_is_a_short_match_and_one_into_its_prompt_is_not(tmp_path):
+    """Two requests' structured answers share their keys and punctuation: matching them says little of the values
+    after, so it counts as a short match (Drafter.matched: its class's acceptance); a repeated request's match
+    reaches into its prompt and keeps its length, and so does any match of an answer without a grammar."""
+    source = palimpsest(tmp_path)
+    source.record(PROMPT + ANSWER)
+    other_prompt = list(range(200, 220))
+    for grammar, expected in ((None, 12), (compiled('root ::= [^x]*'), FORCED_MATCH_EVIDENCE)):
+        drafter = source.drafter(other_prompt, grammar)
+        drafter.observe(ANSWER[:12])
+        assert (drafter.propose(4), drafter.matched) == (ANSWER[12:16], expected)
+        repeat = source.drafter(PROMPT, grammar)
+        repeat.observe(ANSWER[:12])
+        assert (repeat.propose(4), repeat.matched) == (ANSWER[12:16], 32)
     source.close()
 
 
