@@ -278,25 +278,28 @@ class DraftController:
         return self.draft(cost, batch_tokens, seconds_per_draft, batch_yield)[0]
 
     def draft(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float = 0.0,
-              batch_yield: float = 1.0) -> tuple[int, list[float]]:
-        """`draft_length`'s length, and the step times it weighed (times[i]: a step carrying `batch_tokens`
-        + i; [] before any step was measured), so a caller weighing drafts does not fit the curve again."""
+              batch_yield: float = 1.0, longest: int | None = None) -> tuple[int, list[float]]:
+        """`draft_length`'s length, at most `longest` (a guess already made: a longer plan would verify a
+        shorter draft than the one weighed, and an exploration would never measure the size it was for), and
+        the step times it weighed (times[i]: a step carrying `batch_tokens` + i; [] before any step was
+        measured), so a caller weighing drafts does not fit the curve again."""
         times = cost.curve(batch_tokens, batch_tokens + self.max_draft)
         if times is None:
             return 0, []
+        most = self.max_draft if longest is None else min(self.max_draft, longest)
         base = times[0]
         acceptance = self.acceptance
         best_k, best_gain = 0, MIN_GAIN
-        for k in range(1, self.max_draft + 1):
+        for k in range(1, most + 1):
             gain = step_gain(acceptance, k, base, times[k] + k * seconds_per_draft, batch_yield)
             if gain > best_gain:
                 best_k, best_gain = k, gain
-        explored = self._explore(cost, batch_tokens, seconds_per_draft, batch_yield, max(best_gain, MIN_GAIN))
+        explored = self._explore(cost, batch_tokens, seconds_per_draft, batch_yield, max(best_gain, MIN_GAIN), most)
         if explored:
             return explored, times
         if best_k == 0 and self.probes:
             self._plain_steps += 1
-            probe = min(PROBE_DRAFT, self.max_draft)
+            probe = min(PROBE_DRAFT, most)
             # Every sequence of the batch may probe: each gets its share of the budget.
             probe_cost = times[probe] - base + probe * seconds_per_draft
             if self._plain_steps >= max(REPROBE_STEPS, probe_cost * batch_yield / (PROBE_BUDGET * base)):
@@ -305,12 +308,12 @@ class DraftController:
         return best_k, times
 
     def _explore(self, cost: CostModel, batch_tokens: int, seconds_per_draft: float, batch_yield: float,
-                 to_beat: float) -> int:
-        """A draft length whose step size was never measured, at most EXPLORE_REACH times the largest
-        measured one, and that would beat `to_beat` by EXPLORE_MARGIN even at the least such a step can
-        cost; 0 when there is none. Trying it once measures it: without this, sizes past the measured
+                 to_beat: float, most: int) -> int:
+        """A draft length up to `most` whose step size was never measured, at most EXPLORE_REACH times the
+        largest measured one, and that would beat `to_beat` by EXPLORE_MARGIN even at the least such a step
+        can cost; 0 when there is none. Trying it once measures it: without this, sizes past the measured
         ones are extrapolated from a line through them, and cheaper tiles further on are never found."""
-        last = min(self.max_draft, cost.largest_measured() * EXPLORE_REACH - batch_tokens)
+        last = min(most, cost.largest_measured() * EXPLORE_REACH - batch_tokens)
         if last < 1 or cost.all_measured(batch_tokens + 1, batch_tokens + last):
             return 0
         times = cost.curve(batch_tokens, batch_tokens + self.max_draft, optimistic=True)

@@ -166,7 +166,7 @@ class Speculation:
             match = match_class(drafting.drafter.matched)
             controller = drafting.controllers[match]
             offered.append((drafting, guess, match))
-            k, times = controller.draft(cost, batch_tokens, 0.0, batch_yield)
+            k, times = controller.draft(cost, batch_tokens, 0.0, batch_yield, longest=len(guess))
             if k:
                 drafts = guess[:k]
                 gain = step_gain(controller.acceptance, len(drafts), times[0], times[len(drafts)], batch_yield)

@@ -590,6 +590,26 @@ def test_exploring_climbs_from_short_steps_so_a_wrong_prior_costs_a_short_step()
     assert DraftController(max_draft=16, prior=0.95, probes=False).draft_length(cost, 1) == 3, "twice 2 rows"
 
 
+def test_a_guess_is_weighed_at_its_own_length_and_exploring_never_plans_past_it():
+    """A copying source's guess may be shorter than the best draft the curve allows. Weighed at the planned
+    length, a 3-token guess was verified where only a 16-token one would pay; and an exploration of a 31-row
+    step was granted to guesses of 10 (SmolLM2-135M, JSON triage: 38 of 140 verifications, re-explored at every
+    one since the size they were for was never measured)."""
+    cost = CostModel()
+    for n in range(1, 17):
+        measured(cost, n, 0.01 + 0.001 * (n - 1))
+    controller = DraftController(max_draft=30, prior=0.99, probes=False)
+    assert controller.draft_length(cost, 1) == 30, "a 31-row step was never measured: explored"
+    assert controller.draft(cost, 1, longest=20)[0] == 20, "with a 20-token guess: a 21-row step explored"
+    dear = CostModel()
+    measured(dear, 1, 0.01)
+    for n in range(2, 17):
+        measured(dear, n, 0.05)
+    controller = DraftController(max_draft=15, prior=0.99, probes=False)
+    assert controller.draft_length(dear, 1) == 15
+    assert controller.draft(dear, 1, longest=3)[0] == 0, "3 drafts in a step as dear as 15 do not pay"
+
+
 def kept_in(memory: dict) -> CostMemory:
     """A cost memory held in `memory["text"]`, as the model facts file holds it between processes."""
     return CostMemory(lambda: memory.get("text"), lambda text: memory.__setitem__("text", text))
