@@ -24,8 +24,12 @@ import collections
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from reame.structured.grammar import Grammar, GrammarState, GrammarTooAmbiguous
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 REMEMBERED_GRAMMARS = 64  # grammars whose answers' whitespace is remembered
 # Forced texts whose tokens are remembered: a schema's few keys and punctuation come back at every answer, and
@@ -89,9 +93,7 @@ class Suggeritore:
             kept.append(token)
             written += piece
         with self._lock:
-            self._tokenized[(text, following)] = tuple(kept)
-            while len(self._tokenized) > REMEMBERED_TEXTS:
-                self._tokenized.popitem(last=False)
+            keep_latest(self._tokenized, (text, following), tuple(kept), REMEMBERED_TEXTS)
         return kept
 
     def drafter(self, prompt: Sequence[int], grammar: Grammar | None = None) -> SuggeritoreDrafter:
@@ -104,10 +106,7 @@ class Suggeritore:
     def remember(self, grammar: Grammar, habits: dict[str, str]) -> None:
         """Keep an answer's whitespace habits for the next answer to `grammar` (the latest few grammars)."""
         with self._lock:
-            self._layouts[grammar.key] = dict(habits)
-            self._layouts.move_to_end(grammar.key)
-            while len(self._layouts) > REMEMBERED_GRAMMARS:
-                self._layouts.popitem(last=False)
+            keep_latest(self._layouts, grammar.key, dict(habits), REMEMBERED_GRAMMARS)
 
     def warm_up(self) -> None:
         pass
@@ -174,6 +173,14 @@ class SuggeritoreDrafter:
     def close(self) -> None:
         if self.grammar is not None and self.grammar.habits:
             self.source.remember(self.grammar.grammar, self.grammar.habits)
+
+
+def keep_latest(entries: collections.OrderedDict[K, V], key: K, value: V, most: int) -> None:
+    """Put `value` under `key` as the latest of `entries`, forgetting the oldest past `most`."""
+    entries[key] = value
+    entries.move_to_end(key)
+    while len(entries) > most:
+        entries.popitem(last=False)
 
 
 def indentation(line: str) -> str:
